@@ -1,0 +1,34 @@
+//! # diffzoo-datasets
+//!
+//! The data side of diffzoo: the embedded corpus ([`corpus`]), tokenizers ([`tokenizer`]),
+//! reading text inputs ([`input`]), token shards ([`shards`]) and training windows with an
+//! exactly resumable order ([`windows`]).
+
+pub mod corpus;
+pub mod error;
+pub mod input;
+pub mod shards;
+pub mod tokenizer;
+pub mod windows;
+
+pub use error::{DataError, Result};
+pub use input::{Document, DocumentSource, Documents, InMemory, Skip};
+pub use shards::{Manifest, PrepareOptions, Shards, Split, TokenDtype, TokenStream};
+pub use tokenizer::TextTokenizer;
+pub use windows::{LmBatch, LmBatcher, SampleOrder, TokenWindows, WindowSlice};
+
+use std::path::PathBuf;
+
+/// Where tokenizers and prepared shards of the embedded corpus are cached: `$DIFFZOO_CACHE`,
+/// else `$XDG_CACHE_HOME/diffzoo`, else `~/.cache/diffzoo`.
+pub fn cache_dir() -> PathBuf {
+    let env = |name| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    env("DIFFZOO_CACHE")
+        .or_else(|| env("XDG_CACHE_HOME").map(|p| p.join("diffzoo")))
+        .or_else(|| env("HOME").map(|p| p.join(".cache").join("diffzoo")))
+        .unwrap_or_else(|| PathBuf::from(".diffzoo-cache"))
+}

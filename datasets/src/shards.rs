@@ -1,0 +1,553 @@
+//! Token shards: flat little-endian arrays of token ids (u16 when the vocabulary fits, else u32),
+//! one end-of-text token after every document, split by document into `train` and
+//! `validation`, described by `manifest.json`. Readers memory-map the shards, so memory use does
+//! not grow with the corpus.
+//!
+//! `prepare` writes into `<out>.partial-<pid>` and renames it into place at the end, so an
+//! interrupted run never leaves a torn output directory (rerun it to restart).
+
+use crate::error::{DataError, Result};
+use crate::input::{DocumentSource, InMemory, Skip};
+use crate::tokenizer::TextTokenizer;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use memmap2::Mmap;
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+pub const MANIFEST: &str = "manifest.json";
+pub const TOKENIZER: &str = "tokenizer.json";
+const FORMAT: &str = "diffzoo-shards";
+const VERSION: u32 = 1;
+/// Every 20th play of the embedded corpus is held out for validation (2 of 42).
+pub const EMBEDDED_VALIDATION_EVERY: usize = 20;
+/// Text handed to the tokenizer workers at a time.
+const BATCH_BYTES: usize = 32 << 20;
+
+/// Storage type of token ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenDtype {
+    U16,
+    U32,
+}
+
+impl TokenDtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            Self::U16 => 2,
+            Self::U32 => 4,
+        }
+    }
+
+    /// The smallest type that holds every id of a vocabulary.
+    pub fn for_vocab(vocab_size: usize) -> Self {
+        if vocab_size <= 1 << 16 {
+            Self::U16
+        } else {
+            Self::U32
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Split {
+    Train,
+    Validation,
+}
+
+impl Split {
+    /// The split of each of `n` documents: every `every`-th goes to validation (none if 0).
+    pub fn assign(n: usize, every: usize) -> impl Iterator<Item = Split> {
+        (0..n).map(move |i| split_of(i, every))
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Train => "train",
+            Self::Validation => "validation",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardInfo {
+    pub file: String,
+    pub tokens: u64,
+    pub sha256: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SplitInfo {
+    pub tokens: u64,
+    pub documents: u64,
+    pub shards: Vec<ShardInfo>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenizerInfo {
+    pub hash: String,
+    pub vocab_size: usize,
+    pub eot_id: u32,
+}
+
+/// `manifest.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    pub tokenizer: TokenizerInfo,
+    pub dtype: TokenDtype,
+    pub validation_every: usize,
+    pub input_bytes: u64,
+    pub train: SplitInfo,
+    pub validation: SplitInfo,
+    pub skipped: Vec<Skip>,
+}
+
+impl Manifest {
+    pub fn split(&self, split: Split) -> &SplitInfo {
+        match split {
+            Split::Train => &self.train,
+            Split::Validation => &self.validation,
+        }
+    }
+}
+
+/// How `prepare` writes.
+#[derive(Debug, Clone)]
+pub struct PrepareOptions {
+    pub out: PathBuf,
+    /// Every `validation_every`-th document goes to validation (0: none).
+    pub validation_every: usize,
+    /// Tokens per shard file.
+    pub shard_tokens: u64,
+    /// `None`: u16 when the vocabulary fits, else u32.
+    pub dtype: Option<TokenDtype>,
+    /// Replace an existing output directory.
+    pub overwrite: bool,
+    /// Draw a progress bar (on a terminal).
+    pub progress: bool,
+}
+
+impl PrepareOptions {
+    pub fn new(out: impl Into<PathBuf>) -> Self {
+        Self {
+            out: out.into(),
+            validation_every: 200,
+            shard_tokens: 1 << 28,
+            dtype: None,
+            overwrite: false,
+            progress: false,
+        }
+    }
+}
+
+/// Writes one split's shards, hashing as it goes.
+struct ShardWriter {
+    dir: PathBuf,
+    split: Split,
+    dtype: TokenDtype,
+    shard_tokens: u64,
+    current: Option<(BufWriter<File>, Sha256, u64)>,
+    info: SplitInfo,
+}
+
+impl ShardWriter {
+    fn new(dir: &Path, split: Split, dtype: TokenDtype, shard_tokens: u64) -> Self {
+        Self {
+            dir: dir.to_path_buf(),
+            split,
+            dtype,
+            shard_tokens,
+            current: None,
+            info: SplitInfo::default(),
+        }
+    }
+
+    fn document(&mut self, ids: &[u32], eot: u32) -> Result<()> {
+        for &id in ids.iter().chain(std::iter::once(&eot)) {
+            self.token(id)?;
+        }
+        self.info.documents += 1;
+        Ok(())
+    }
+
+    fn token(&mut self, id: u32) -> Result<()> {
+        if self.current.is_none() {
+            let file = format!("{}-{:05}.bin", self.split.name(), self.info.shards.len());
+            let path = self.dir.join(&file);
+            let handle = File::create(&path).map_err(DataError::io(&path))?;
+            self.info.shards.push(ShardInfo {
+                file,
+                tokens: 0,
+                sha256: String::new(),
+            });
+            self.current = Some((BufWriter::with_capacity(1 << 20, handle), Sha256::new(), 0));
+        }
+        let (writer, hasher, count) = self.current.as_mut().expect("shard is open");
+        let bytes = match self.dtype {
+            TokenDtype::U16 => (id as u16).to_le_bytes().to_vec(),
+            TokenDtype::U32 => id.to_le_bytes().to_vec(),
+        };
+        hasher.update(&bytes);
+        let path = self
+            .dir
+            .join(&self.info.shards.last().expect("open shard").file);
+        writer.write_all(&bytes).map_err(DataError::io(&path))?;
+        *count += 1;
+        self.info.tokens += 1;
+        if *count == self.shard_tokens {
+            self.close()?;
+        }
+        Ok(())
+    }
+
+    fn close(&mut self) -> Result<()> {
+        if let Some((writer, hasher, count)) = self.current.take() {
+            let shard = self.info.shards.last_mut().expect("open shard");
+            let path = self.dir.join(&shard.file);
+            writer
+                .into_inner()
+                .map_err(|e| DataError::io(&path)(e.into_error()))?
+                .sync_all()
+                .map_err(DataError::io(&path))?;
+            shard.tokens = count;
+            shard.sha256 = format!("{:x}", hasher.finalize());
+        }
+        Ok(())
+    }
+}
+
+/// Tokenizes `documents` (in parallel, in batches) into shards under `options.out`, with the
+/// tokenizer copied beside them. `skipped` lists what the input stage left out; documents that
+/// tokenize to nothing are added to it.
+pub fn prepare(
+    mut documents: impl DocumentSource,
+    tokenizer: &TextTokenizer,
+    options: &PrepareOptions,
+    mut skipped: Vec<Skip>,
+) -> Result<Manifest> {
+    let out = &options.out;
+    if out.exists() && !options.overwrite {
+        return Err(DataError::shards(
+            out,
+            "already exists (pass --overwrite to replace it)",
+        ));
+    }
+    let vocab = tokenizer.vocab_size();
+    let dtype = options.dtype.unwrap_or(TokenDtype::for_vocab(vocab));
+    if dtype == TokenDtype::U16 && vocab > 1 << 16 {
+        return Err(DataError::Invalid(format!(
+            "vocabulary of {vocab} tokens does not fit u16 shards (at most 65536): use u32"
+        )));
+    }
+    let partial = partial_dir(out);
+    if partial.exists() {
+        std::fs::remove_dir_all(&partial).map_err(DataError::io(&partial))?;
+    }
+    std::fs::create_dir_all(&partial).map_err(DataError::io(&partial))?;
+    let mut writers = [Split::Train, Split::Validation]
+        .map(|split| ShardWriter::new(&partial, split, dtype, options.shard_tokens));
+    let bar = progress_bar(options.progress);
+    let started = Instant::now();
+    let (mut index, mut text_bytes, mut tokens) = (0usize, 0u64, 0u64);
+    loop {
+        let (mut batch, mut batch_bytes) = (Vec::new(), 0);
+        while batch_bytes < BATCH_BYTES {
+            let Some(doc) = documents.next() else { break };
+            let doc = doc?;
+            batch_bytes += doc.text.len();
+            batch.push(doc);
+        }
+        if batch.is_empty() {
+            break;
+        }
+        let encoded = batch
+            .par_iter()
+            .map(|doc| tokenizer.encode(&doc.text))
+            .collect::<Result<Vec<_>>>()?;
+        for (doc, ids) in batch.into_iter().zip(encoded) {
+            text_bytes += doc.text.len() as u64;
+            if ids.is_empty() {
+                skipped.push(Skip {
+                    file: doc.origin,
+                    line: None,
+                    reason: "no tokens".into(),
+                });
+                continue;
+            }
+            let split = split_of(index, options.validation_every);
+            writers[split as usize].document(&ids, tokenizer.eot_id())?;
+            tokens += ids.len() as u64 + 1;
+            index += 1;
+        }
+        let secs = started.elapsed().as_secs_f64().max(1e-9);
+        bar.set_position(documents.bytes_read());
+        bar.set_message(format!(
+            "{index} docs, {tokens} tokens, {:.1} MB/s, {:.0} tokens/s",
+            text_bytes as f64 / secs / 1e6,
+            tokens as f64 / secs
+        ));
+    }
+    bar.finish_and_clear();
+    for writer in &mut writers {
+        writer.close()?;
+    }
+    let [train, validation] = writers.map(|w| w.info);
+    skipped.extend(documents.skipped());
+    if train.tokens == 0 {
+        std::fs::remove_dir_all(&partial).map_err(DataError::io(&partial))?;
+        return Err(DataError::Invalid(format!(
+            "the input holds no usable text ({} skipped: {})",
+            skipped.len(),
+            skipped
+                .first()
+                .map(|s| format!("{}: {}", s.file, s.reason))
+                .unwrap_or_default()
+        )));
+    }
+    let manifest = Manifest {
+        format: FORMAT.into(),
+        version: VERSION,
+        tokenizer: TokenizerInfo {
+            hash: tokenizer.hash().into(),
+            vocab_size: vocab,
+            eot_id: tokenizer.eot_id(),
+        },
+        dtype,
+        validation_every: options.validation_every,
+        input_bytes: documents.bytes_read(),
+        train,
+        validation,
+        skipped,
+    };
+    tokenizer.save(&partial.join(TOKENIZER))?;
+    let json = serde_json::to_string_pretty(&manifest).expect("manifest serializes");
+    crate::tokenizer::write_atomically(&partial.join(MANIFEST), json.as_bytes())?;
+    if out.exists() {
+        if !options.overwrite {
+            std::fs::remove_dir_all(&partial).map_err(DataError::io(&partial))?;
+            return Err(DataError::shards(
+                out,
+                "appeared while preparing; left it as it is",
+            ));
+        }
+        std::fs::remove_dir_all(out).map_err(DataError::io(out))?;
+    }
+    std::fs::rename(&partial, out).map_err(DataError::io(out))?;
+    Ok(manifest)
+}
+
+/// The split of document `index`: every `every`-th goes to validation (none if 0).
+fn split_of(index: usize, every: usize) -> Split {
+    if every > 0 && index % every == every - 1 {
+        Split::Validation
+    } else {
+        Split::Train
+    }
+}
+
+/// A work directory beside `out`, unique to this process and call.
+fn partial_dir(out: &Path) -> PathBuf {
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let call = CALLS.fetch_add(1, Ordering::Relaxed);
+    out.with_file_name(format!("{name}.partial-{}-{call}", std::process::id()))
+}
+
+fn progress_bar(show: bool) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(
+        None,
+        if show {
+            ProgressDrawTarget::stderr()
+        } else {
+            ProgressDrawTarget::hidden()
+        },
+    );
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {binary_bytes} read, {msg}")
+            .expect("valid template"),
+    );
+    bar
+}
+
+/// The shards of one directory, memory-mapped.
+pub struct Shards {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+}
+
+impl Shards {
+    /// Opens a shard directory, checking its manifest and that every shard has its stated size.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let path = dir.join(MANIFEST);
+        if !dir.is_dir() {
+            return Err(DataError::shards(dir, "no such shard directory"));
+        }
+        let text = std::fs::read_to_string(&path).map_err(|_| {
+            DataError::shards(
+                dir,
+                "not a shard directory (no manifest.json); make one with `diffzoo data prepare`",
+            )
+        })?;
+        let manifest: Manifest = serde_json::from_str(&text)
+            .map_err(|e| DataError::shards(&path, format!("invalid manifest: {e}")))?;
+        if manifest.format != FORMAT || manifest.version != VERSION {
+            return Err(DataError::shards(
+                &path,
+                format!(
+                    "format {} v{} is not {FORMAT} v{VERSION}",
+                    manifest.format, manifest.version
+                ),
+            ));
+        }
+        for shard in manifest
+            .train
+            .shards
+            .iter()
+            .chain(&manifest.validation.shards)
+        {
+            let file = dir.join(&shard.file);
+            let len = std::fs::metadata(&file)
+                .map_err(DataError::io(&file))?
+                .len();
+            let expected = shard.tokens * manifest.dtype.bytes() as u64;
+            if len != expected {
+                return Err(DataError::shards(
+                    &file,
+                    format!("{len} bytes, the manifest says {expected}"),
+                ));
+            }
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            manifest,
+        })
+    }
+
+    /// Errors unless the shards were made with the tokenizer of hash `hash`.
+    pub fn check_tokenizer(&self, hash: &str) -> Result<()> {
+        let made_with = &self.manifest.tokenizer.hash;
+        if made_with != hash {
+            return Err(DataError::shards(
+                &self.dir,
+                format!(
+                    "made with tokenizer {made_with}, but this run uses tokenizer {hash}; prepare the data again with this run's tokenizer"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The tokenizer the shards were made with.
+    pub fn tokenizer(&self) -> Result<TextTokenizer> {
+        let tokenizer = TextTokenizer::from_file(&self.dir.join(TOKENIZER))?;
+        self.check_tokenizer(tokenizer.hash())?;
+        Ok(tokenizer)
+    }
+
+    /// The tokens of one split as one memory-mapped stream.
+    pub fn tokens(&self, split: Split) -> Result<TokenStream> {
+        let info = self.manifest.split(split);
+        let mut maps = Vec::with_capacity(info.shards.len());
+        let mut starts = Vec::with_capacity(info.shards.len());
+        let mut total = 0;
+        for shard in &info.shards {
+            let path = self.dir.join(&shard.file);
+            let file = File::open(&path).map_err(DataError::io(&path))?;
+            // SAFETY: shards are written once, renamed into place and never modified.
+            let map = unsafe { Mmap::map(&file) }.map_err(DataError::io(&path))?;
+            starts.push(total);
+            total += shard.tokens;
+            maps.push(map);
+        }
+        Ok(TokenStream {
+            maps,
+            starts,
+            len: total,
+            dtype: self.manifest.dtype,
+        })
+    }
+}
+
+/// A split's shards seen as one array of tokens.
+pub struct TokenStream {
+    maps: Vec<Mmap>,
+    starts: Vec<u64>,
+    len: u64,
+    dtype: TokenDtype,
+}
+
+impl TokenStream {
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Tokens `start .. start + count`, read across shard boundaries.
+    pub fn read(&self, start: u64, count: usize) -> Vec<u32> {
+        assert!(
+            start + count as u64 <= self.len,
+            "read past the end of the split"
+        );
+        let mut out = Vec::with_capacity(count);
+        let mut shard = self.starts.partition_point(|&s| s <= start) - 1;
+        let mut pos = start;
+        while out.len() < count {
+            let offset = (pos - self.starts[shard]) as usize;
+            let bytes = &self.maps[shard][offset * self.dtype.bytes()..];
+            let take = (count - out.len()).min(bytes.len() / self.dtype.bytes());
+            match self.dtype {
+                TokenDtype::U16 => out.extend(
+                    bytes
+                        .chunks_exact(2)
+                        .take(take)
+                        .map(|b| u16::from_le_bytes([b[0], b[1]]) as u32),
+                ),
+                TokenDtype::U32 => out.extend(
+                    bytes
+                        .chunks_exact(4)
+                        .take(take)
+                        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                ),
+            }
+            pos += take as u64;
+            shard += 1;
+        }
+        out
+    }
+}
+
+/// The embedded corpus prepared with `tokenizer`, cached under `cache` (prepared on first use).
+pub fn embedded_shards(tokenizer: &TextTokenizer, cache: &Path) -> Result<Shards> {
+    let dir = cache
+        .join("shards")
+        .join(format!("embedded-{}", tokenizer.hash()));
+    if !dir.join(MANIFEST).exists() {
+        let mut options = PrepareOptions::new(&dir);
+        options.validation_every = EMBEDDED_VALIDATION_EVERY;
+        let docs = InMemory::new(crate::corpus::documents());
+        // Another process may prepare the same directory at the same time: its result is ours.
+        match prepare(docs, tokenizer, &options, Vec::new()) {
+            Err(_) if dir.join(MANIFEST).exists() => {}
+            result => {
+                result?;
+            }
+        }
+    }
+    Shards::open(&dir)
+}

@@ -1,0 +1,173 @@
+//! Training samples: windows of `seq_len + 1` tokens over a split's token stream, visited in an
+//! order that is a pure function of `(seed, epoch)`, so that the samples of global step `k` are
+//! known without replaying steps `0..k` (exact resume), and that costs no memory per sample.
+
+use crate::shards::TokenStream;
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::{Dataset, DatasetError};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use std::sync::Arc;
+
+/// Non-overlapping windows: window `i` is tokens `i·seq_len ..= (i+1)·seq_len` (inputs and
+/// the shifted targets share `seq_len − 1` tokens; consecutive windows share one).
+pub struct TokenWindows {
+    tokens: TokenStream,
+    seq_len: usize,
+}
+
+impl TokenWindows {
+    pub fn new(tokens: TokenStream, seq_len: usize) -> Self {
+        assert!(seq_len > 0, "sequence length must be positive");
+        Self { tokens, seq_len }
+    }
+
+    pub fn seq_len(&self) -> usize {
+        self.seq_len
+    }
+
+    /// Number of complete windows.
+    pub fn len(&self) -> u64 {
+        self.tokens.len().saturating_sub(1) / self.seq_len as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The `seq_len + 1` tokens of window `i`.
+    pub fn window(&self, i: u64) -> Vec<u32> {
+        self.tokens.read(i * self.seq_len as u64, self.seq_len + 1)
+    }
+}
+
+/// A bijection of `0..n` for every `(seed, epoch)`: a 4-round Feistel network on the smallest
+/// power-of-four domain holding `n`, cycle-walked back into range. O(1) memory, any `n`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SampleOrder {
+    n: u64,
+    seed: u64,
+    shuffle: bool,
+}
+
+impl SampleOrder {
+    /// Shuffled order; a new permutation every epoch.
+    pub fn shuffled(n: u64, seed: u64) -> Self {
+        assert!(n > 0, "cannot order zero samples");
+        Self {
+            n,
+            seed,
+            shuffle: true,
+        }
+    }
+
+    /// Identity order (validation).
+    pub fn sequential(n: u64) -> Self {
+        assert!(n > 0, "cannot order zero samples");
+        Self {
+            n,
+            seed: 0,
+            shuffle: false,
+        }
+    }
+
+    pub fn samples_per_epoch(&self) -> u64 {
+        self.n
+    }
+
+    /// The sample at `position` of the endless stream epoch 0, epoch 1, …
+    pub fn sample(&self, position: u64) -> u64 {
+        let (epoch, index) = (position / self.n, position % self.n);
+        if !self.shuffle {
+            return index;
+        }
+        let half_bits = (64 - (self.n - 1).max(1).leading_zeros()).div_ceil(2);
+        let mask = (1u64 << half_bits) - 1;
+        let key = splitmix64(self.seed ^ splitmix64(epoch));
+        let mut x = index;
+        loop {
+            let (mut left, mut right) = (x >> half_bits, x & mask);
+            for round in 0..4u64 {
+                let f = splitmix64(right ^ key.wrapping_add(round)) & mask;
+                (left, right) = (right, left ^ f);
+            }
+            x = (left << half_bits) | right;
+            if x < self.n {
+                return x;
+            }
+        }
+    }
+}
+
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// `len` consecutive positions of a sample order, starting at `first`, as a Burn dataset of
+/// token windows. A training "epoch" of the learner is one such slice.
+#[derive(Clone)]
+pub struct WindowSlice {
+    windows: Arc<TokenWindows>,
+    order: SampleOrder,
+    first: u64,
+    len: usize,
+}
+
+impl WindowSlice {
+    pub fn new(windows: Arc<TokenWindows>, order: SampleOrder, first: u64, len: usize) -> Self {
+        Self {
+            windows,
+            order,
+            first,
+            len,
+        }
+    }
+}
+
+impl Dataset<Vec<u32>> for WindowSlice {
+    fn get(&self, index: usize) -> Result<Vec<u32>, DatasetError> {
+        if index >= self.len {
+            return Err(DatasetError::new(std::io::Error::other(format!(
+                "window {index} is past the end ({})",
+                self.len
+            ))));
+        }
+        Ok(self
+            .windows
+            .window(self.order.sample(self.first + index as u64)))
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// Inputs and next-token targets, `[batch, seq_len]` each.
+#[derive(Debug, Clone)]
+pub struct LmBatch {
+    pub inputs: Tensor<2, Int>,
+    pub targets: Tensor<2, Int>,
+}
+
+/// Turns windows of `seq_len + 1` tokens into an [`LmBatch`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LmBatcher;
+
+impl Batcher<Vec<u32>, LmBatch> for LmBatcher {
+    fn batch(&self, items: Vec<Vec<u32>>, device: &Device) -> LmBatch {
+        let (b, s) = (items.len(), items[0].len() - 1);
+        let part = |range: fn(&[u32]) -> &[u32]| {
+            let ids: Vec<i64> = items
+                .iter()
+                .flat_map(|w| range(w).iter().map(|&t| t as i64))
+                .collect();
+            Tensor::from_data(TensorData::new(ids, [b, s]), device)
+        };
+        LmBatch {
+            inputs: part(|w| &w[..w.len() - 1]),
+            targets: part(|w| &w[1..]),
+        }
+    }
+}

@@ -1,0 +1,329 @@
+//! The data pipeline end to end: inputs → shards → windows → text, determinism, exact resume,
+//! shard boundaries and every bad input.
+
+use burn::data::dataset::Dataset;
+use diffzoo_datasets::shards::{EMBEDDED_VALIDATION_EVERY, embedded_shards, prepare};
+use diffzoo_datasets::tokenizer::embedded_tokenizer;
+use diffzoo_datasets::{
+    DataError, Documents, PrepareOptions, SampleOrder, Shards, Split, TextTokenizer, TokenDtype,
+    TokenWindows, WindowSlice, corpus, input,
+};
+use flate2::write::GzEncoder;
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+/// One small tokenizer for all tests (trained on a slice of the embedded corpus).
+fn tokenizer() -> &'static TextTokenizer {
+    static TOKENIZER: OnceLock<TextTokenizer> = OnceLock::new();
+    TOKENIZER.get_or_init(|| {
+        let plays = corpus::plays();
+        TextTokenizer::train_bpe(plays.iter().take(3).map(|p| p.text.as_str()), 400).unwrap()
+    })
+}
+
+fn write(path: &Path, bytes: &[u8]) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, bytes).unwrap();
+}
+
+fn gzip(bytes: &[u8]) -> Vec<u8> {
+    let mut enc = GzEncoder::new(Vec::new(), flate2::Compression::default());
+    enc.write_all(bytes).unwrap();
+    enc.finish().unwrap()
+}
+
+/// Runs `data prepare`'s library path on `paths`.
+fn prepare_paths(
+    paths: &[PathBuf],
+    options: &PrepareOptions,
+) -> Result<diffzoo_datasets::Manifest, DataError> {
+    let (files, skips) = input::resolve(paths)?;
+    prepare(Documents::new(files, "text"), tokenizer(), options, skips)
+}
+
+/// A directory of mixed inputs: txt, jsonl, their gz, a nested directory and an unsupported file.
+fn mixed_inputs(root: &Path) -> Vec<&'static str> {
+    let docs = [
+        "First document, plain text.",
+        "Second document from JSON.",
+        "Third, JSON gz.",
+        "Fourth, text gz.",
+        "Fifth, nested.",
+    ];
+    write(&root.join("a.txt"), docs[0].as_bytes());
+    write(
+        &root.join("b.jsonl"),
+        format!("{{\"text\": \"{}\"}}\n\n", docs[1]).as_bytes(),
+    );
+    write(
+        &root.join("c.jsonl.gz"),
+        &gzip(format!("{{\"text\": \"{}\"}}\n", docs[2]).as_bytes()),
+    );
+    write(&root.join("d.txt.gz"), &gzip(docs[3].as_bytes()));
+    write(&root.join("sub/e.txt"), docs[4].as_bytes());
+    write(&root.join("notes.md"), b"not read");
+    docs.to_vec()
+}
+
+#[test]
+fn mixed_directory_round_trips_through_shards() {
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = mixed_inputs(&tmp.path().join("in"));
+    let mut options = PrepareOptions::new(tmp.path().join("out"));
+    options.validation_every = 0;
+    options.shard_tokens = 7; // many tiny shards: reads cross boundaries
+    let manifest = prepare_paths(&[tmp.path().join("in")], &options).unwrap();
+    assert_eq!(manifest.train.documents, 5);
+    assert!(manifest.train.shards.len() > 3);
+    assert_eq!(manifest.dtype, TokenDtype::U16);
+    assert_eq!(manifest.skipped.len(), 1);
+    assert!(manifest.skipped[0].file.ends_with("notes.md"));
+
+    let shards = Shards::open(&options.out).unwrap();
+    let stream = shards.tokens(Split::Train).unwrap();
+    let all = stream.read(0, stream.len() as usize);
+    let eot = tokenizer().eot_id();
+    let texts: Vec<String> = all
+        .split(|&t| t == eot)
+        .filter(|d| !d.is_empty())
+        .map(|ids| tokenizer().decode(ids).unwrap())
+        .collect();
+    assert_eq!(texts, docs);
+
+    // Windows of every length read the same tokens across shard boundaries.
+    for seq in [1, 3, 5, 11] {
+        let windows = TokenWindows::new(shards.tokens(Split::Train).unwrap(), seq);
+        for i in 0..windows.len() {
+            let start = (i * seq as u64) as usize;
+            assert_eq!(
+                windows.window(i),
+                all[start..start + seq + 1].to_vec(),
+                "seq {seq} window {i}"
+            );
+        }
+    }
+}
+
+#[test]
+fn order_is_a_deterministic_permutation_per_epoch() {
+    for n in [1u64, 2, 7, 64, 1000, 1023] {
+        let order = SampleOrder::shuffled(n, 42);
+        let epoch0: Vec<u64> = (0..n).map(|p| order.sample(p)).collect();
+        let epoch1: Vec<u64> = (n..2 * n).map(|p| order.sample(p)).collect();
+        for epoch in [&epoch0, &epoch1] {
+            let set: HashSet<u64> = epoch.iter().copied().collect();
+            assert_eq!(set.len() as u64, n, "a permutation of 0..{n}");
+            assert!(epoch.iter().all(|&i| i < n));
+        }
+        if n >= 64 {
+            assert_ne!(epoch0, epoch1, "a new order each epoch");
+            assert_ne!(epoch0, (0..n).collect::<Vec<_>>(), "shuffled");
+            let other: Vec<u64> = (0..n)
+                .map(|p| SampleOrder::shuffled(n, 43).sample(p))
+                .collect();
+            assert_ne!(epoch0, other, "the seed matters");
+        }
+        assert_eq!(
+            epoch0,
+            (0..n)
+                .map(|p| SampleOrder::shuffled(n, 42).sample(p))
+                .collect::<Vec<_>>()
+        );
+    }
+}
+
+#[test]
+fn resumed_slices_continue_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let shards = embedded_shards(tokenizer(), tmp.path()).unwrap();
+    let windows = Arc::new(TokenWindows::new(shards.tokens(Split::Train).unwrap(), 64));
+    let order = SampleOrder::shuffled(windows.len(), 7);
+    let (batch, steps) = (4usize, 10u64);
+    let whole = WindowSlice::new(windows.clone(), order, 0, batch * steps as usize);
+    // Resume at step 6: positions from 6·batch on.
+    let resumed = WindowSlice::new(windows, order, 6 * batch as u64, batch * 4);
+    for i in 0..resumed.len() {
+        assert_eq!(resumed.get(i).unwrap(), whole.get(6 * batch + i).unwrap());
+    }
+}
+
+#[test]
+fn embedded_corpus_is_shakespeare_split_by_play() {
+    let plays = corpus::plays();
+    assert_eq!(plays.len(), 42);
+    assert!(plays.iter().any(|p| p.title.contains("Hamlet")));
+    let bytes: usize = plays.iter().map(|p| p.text.len()).sum();
+    assert!(bytes > 4_000_000, "{bytes}");
+    let tmp = tempfile::tempdir().unwrap();
+    let shards = embedded_shards(tokenizer(), tmp.path()).unwrap();
+    let m = &shards.manifest;
+    assert_eq!(
+        m.validation.documents,
+        (42 / EMBEDDED_VALIDATION_EVERY) as u64
+    );
+    assert_eq!(m.train.documents + m.validation.documents, 42);
+    assert!(m.validation.tokens > 10_000);
+    // Prepared once: a second call reuses the directory.
+    let again = embedded_shards(tokenizer(), tmp.path()).unwrap();
+    assert_eq!(again.manifest, shards.manifest);
+}
+
+#[test]
+fn tokenizer_training_is_deterministic_and_cached() {
+    let plays = corpus::plays();
+    let texts = || plays.iter().skip(5).take(2).map(|p| p.text.as_str());
+    let a = TextTokenizer::train_bpe(texts(), 500).unwrap();
+    let b = TextTokenizer::train_bpe(texts(), 500).unwrap();
+    assert_eq!(a.json(), b.json());
+    assert_eq!(a.hash(), b.hash());
+    assert_eq!(a.vocab_size(), 500);
+    let text = "To be, or not to be: that is the question.";
+    assert_eq!(a.decode(&a.encode(text).unwrap()).unwrap(), text);
+
+    let tmp = tempfile::tempdir().unwrap();
+    let first = embedded_tokenizer(300, tmp.path()).unwrap();
+    let file = tmp.path().join("tokenizers/embedded-bpe-300.json");
+    let modified = std::fs::metadata(&file).unwrap().modified().unwrap();
+    let second = embedded_tokenizer(300, tmp.path()).unwrap();
+    assert_eq!(first.hash(), second.hash());
+    assert_eq!(
+        std::fs::metadata(&file).unwrap().modified().unwrap(),
+        modified,
+        "loaded, not retrained"
+    );
+}
+
+#[test]
+fn per_line_problems_are_counted_skips_with_file_and_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("in/mixed.jsonl");
+    let mut lines = Vec::new();
+    lines.extend_from_slice(b"{\"text\": \"good one\"}\n");
+    lines.extend_from_slice(b"{\"text\": \"broken\"\n");
+    lines.extend_from_slice(b"{\"body\": \"wrong field\"}\n");
+    lines.extend_from_slice(b"{\"text\": 5}\n");
+    lines.extend_from_slice(b"{\"text\": \"bad \xff utf8\"}\n");
+    lines.extend_from_slice(b"{\"text\": \"   \"}\n");
+    lines.extend_from_slice(b"{\"text\": \"good two\"}\n");
+    write(&file, &lines);
+    write(&tmp.path().join("in/bad.txt"), b"caf\xe9");
+    let mut options = PrepareOptions::new(tmp.path().join("out"));
+    options.validation_every = 0;
+    let manifest = prepare_paths(&[tmp.path().join("in")], &options).unwrap();
+    assert_eq!(manifest.train.documents, 2);
+    let reasons: Vec<(Option<usize>, &str)> = manifest
+        .skipped
+        .iter()
+        .map(|s| (s.line, s.reason.as_str()))
+        .collect();
+    assert_eq!(reasons.len(), 6, "{reasons:?}");
+    assert_eq!(reasons[0], (None, "invalid UTF-8 at byte 3"));
+    assert!(manifest.skipped[0].file.ends_with("bad.txt"));
+    assert_eq!(reasons[1].0, Some(2));
+    assert!(reasons[1].1.starts_with("malformed JSON"));
+    assert_eq!(reasons[2], (Some(3), "no `text` field"));
+    assert_eq!(reasons[3], (Some(4), "`text` is not a string"));
+    assert_eq!(reasons[4], (Some(5), "invalid UTF-8"));
+    assert_eq!(reasons[5], (Some(6), "empty `text`"));
+}
+
+fn error_of(result: Result<impl std::fmt::Debug, DataError>) -> String {
+    result.expect_err("an error").to_string()
+}
+
+#[test]
+fn bad_inputs_are_errors_naming_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = PrepareOptions::new(tmp.path().join("out"));
+    let missing = tmp.path().join("missing.txt");
+    assert!(error_of(input::resolve(std::slice::from_ref(&missing))).contains("missing.txt"));
+
+    let empty_dir = tmp.path().join("empty");
+    std::fs::create_dir_all(&empty_dir).unwrap();
+    write(&empty_dir.join("readme.md"), b"x");
+    let err = error_of(input::resolve(&[empty_dir]));
+    assert!(
+        err.contains("empty") && err.contains("no .txt, .jsonl"),
+        "{err}"
+    );
+
+    let odd = tmp.path().join("data.csv");
+    write(&odd, b"a,b");
+    assert!(error_of(input::resolve(&[odd])).contains("data.csv: unsupported file type"));
+
+    let blank = tmp.path().join("blank.txt");
+    write(&blank, b"   \n");
+    let err = error_of(prepare_paths(&[blank], &out));
+    assert!(
+        err.contains("no usable text") && err.contains("blank.txt"),
+        "{err}"
+    );
+
+    let corrupt = tmp.path().join("corrupt.txt.gz");
+    write(&corrupt, b"\x1f\x8b\x08\x00garbage");
+    assert!(error_of(prepare_paths(&[corrupt], &out)).contains("corrupt.txt.gz"));
+
+    let not_tokenizer = tmp.path().join("tokenizer.json");
+    write(&not_tokenizer, b"{\"hello\": 1}");
+    let err = error_of(TextTokenizer::from_file(&not_tokenizer));
+    assert!(
+        err.contains("tokenizer.json: not a usable tokenizer"),
+        "{err}"
+    );
+
+    let good = tmp.path().join("good.txt");
+    write(&good, b"some text");
+    let mut u16_options = PrepareOptions::new(tmp.path().join("out16"));
+    u16_options.dtype = Some(TokenDtype::U16);
+    // A word-level tokenizer of 70,002 entries does not fit u16 ids.
+    let big = TextTokenizer::from_file(&{
+        let mut vocab: serde_json::Map<String, serde_json::Value> = (0..70_000)
+            .map(|i| (format!("w{i}"), serde_json::json!(i)))
+            .collect();
+        vocab.insert("<|endoftext|>".into(), serde_json::json!(70_000));
+        vocab.insert("[UNK]".into(), serde_json::json!(70_001));
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+            "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+        });
+        let path = tmp.path().join("big.json");
+        write(&path, json.to_string().as_bytes());
+        path
+    })
+    .unwrap();
+    assert_eq!(big.vocab_size(), 70_002);
+    let (files, _) = input::resolve(std::slice::from_ref(&good)).unwrap();
+    let err = error_of(prepare(
+        Documents::new(files, "text"),
+        &big,
+        &u16_options,
+        Vec::new(),
+    ));
+    assert!(err.contains("does not fit u16"), "{err}");
+
+    // An existing output is never clobbered without --overwrite.
+    std::fs::create_dir_all(tmp.path().join("taken")).unwrap();
+    let err = error_of(prepare_paths(
+        std::slice::from_ref(&good),
+        &PrepareOptions::new(tmp.path().join("taken")),
+    ));
+    assert!(err.contains("taken: already exists"), "{err}");
+
+    // Shards from another tokenizer are refused.
+    let mut options = PrepareOptions::new(tmp.path().join("shards"));
+    options.validation_every = 0;
+    prepare_paths(&[good], &options).unwrap();
+    let shards = Shards::open(&options.out).unwrap();
+    let other = TextTokenizer::train_bpe(["something else entirely"].into_iter(), 300).unwrap();
+    let err = error_of(shards.check_tokenizer(other.hash()));
+    assert!(
+        err.contains("made with tokenizer") && err.contains(other.hash()),
+        "{err}"
+    );
+
+    let err = error_of(Shards::open(tmp.path()).map(|_| ()));
+    assert!(err.contains("not a shard directory"), "{err}");
+}

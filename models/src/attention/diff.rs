@@ -1,0 +1,168 @@
+//! DIFF Transformer V1 attention: differential attention, exactly the paper (eq. 1–3) and the
+//! official `multihead_flashdiff_1.py`.
+//!
+//! With the baseline's H and H_kv, DIFF uses H' = H/2 heads and H'_kv = H_kv/2 kv heads, head dim
+//! d = d_model/H (the baseline's), n_rep = H'/H'_kv. Each head h owns two query half-heads
+//! (2h, 2h+1) and each kv head g two key half-heads (2g, 2g+1) and one value of width 2d:
+//!
+//! ```text
+//! [Q₁; Q₂] = RoPE(X·W_q),  [K₁; K₂] = RoPE(X·W_k),  V = X·W_v            (RoPE per d-dim half-head)
+//! A₁ = softmax(Q₁K₁ᵀ/√d + mask),  A₂ = softmax(Q₂K₂ᵀ/√d + mask)          (eq. 1; GQA: head h reads kv h/n_rep)
+//! λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init                          (eq. 2; one scalar per layer, f32)
+//! λ_init = 0.8 − 0.6·exp(−0.3·depth)
+//! head_h = (1 − λ_init)·subln((A₁ − λ·A₂)·V_h)                           (eq. 3; subln = RMSNorm over 2d)
+//! out = Concat(head_0 … head_{H'−1})·W_o
+//! ```
+//!
+//! The explicit path computes both maps with one batched matmul over a `[B, H', 2, S, S]` tensor
+//! and applies `A₁ − λ·A₂` to V once; the fused path calls Burn's attention twice with V of width
+//! 2d and subtracts the outputs (same result by linearity).
+
+use super::{
+    AttentionProbe, causal_logits, fused_causal_attention, merge_heads, projection, repeat_kv,
+    split_heads,
+};
+use crate::config::{ModelConfig, lambda_init};
+use burn::module::{Module, Param};
+use burn::nn::{Initializer, Linear, RmsNorm, RmsNormConfig, RotaryEncoding};
+use burn::tensor::activation::softmax;
+use burn::tensor::{DType, Device, Tensor};
+
+#[derive(Module, Debug)]
+pub struct DiffAttention {
+    /// d_model → 2H'·d, viewed as 2H' half-heads.
+    pub q_proj: Linear,
+    /// d_model → 2H'_kv·d, viewed as 2H'_kv half-heads.
+    pub k_proj: Linear,
+    /// d_model → H'_kv·2d.
+    pub v_proj: Linear,
+    /// d_model → d_model.
+    pub o_proj: Linear,
+    pub lambda_q1: Param<Tensor<1>>,
+    pub lambda_k1: Param<Tensor<1>>,
+    pub lambda_q2: Param<Tensor<1>>,
+    pub lambda_k2: Param<Tensor<1>>,
+    /// RMSNorm over each head's 2d outputs.
+    pub subln: RmsNorm,
+    pub lambda_init: f64,
+    /// H'.
+    pub heads: usize,
+    /// H'_kv.
+    pub kv_heads: usize,
+    pub fused: bool,
+}
+
+impl DiffAttention {
+    /// The attention of block `depth` (0-based), which sets λ_init.
+    pub fn new(config: &ModelConfig, depth: usize, device: &Device) -> Self {
+        let (d_model, d) = (config.d_model, config.head_dim());
+        let (heads, kv_heads) = (config.heads / 2, config.kv_heads() / 2);
+        let lambda = || {
+            Initializer::Normal {
+                mean: 0.0,
+                std: 0.1,
+            }
+            .init([d], device)
+        };
+        Self {
+            q_proj: projection(config, d_model, 2 * heads * d, device),
+            k_proj: projection(config, d_model, 2 * kv_heads * d, device),
+            v_proj: projection(config, d_model, kv_heads * 2 * d, device),
+            o_proj: projection(config, heads * 2 * d, d_model, device),
+            lambda_q1: lambda(),
+            lambda_k1: lambda(),
+            lambda_q2: lambda(),
+            lambda_k2: lambda(),
+            subln: RmsNormConfig::new(2 * d)
+                .with_epsilon(config.norm_eps)
+                .init(device),
+            lambda_init: lambda_init(depth),
+            heads,
+            kv_heads,
+            fused: config.fused_attention,
+        }
+    }
+
+    /// λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init, computed in f32; shape `[1]`.
+    pub fn lambda(&self) -> Tensor<1> {
+        let dot = |a: &Param<Tensor<1>>, b: &Param<Tensor<1>>| {
+            (a.val().cast(DType::F32) * b.val().cast(DType::F32))
+                .sum()
+                .exp()
+        };
+        dot(&self.lambda_q1, &self.lambda_k1) - dot(&self.lambda_q2, &self.lambda_k2)
+            + self.lambda_init
+    }
+
+    /// Q `[B, H', 2, S, d]`, K `[B, H', 2, S, d]` (GQA-repeated) and V `[B, H', S, 2d]`.
+    fn qkv(&self, x: Tensor<3>, rope: &RotaryEncoding) -> (Tensor<5>, Tensor<5>, Tensor<4>) {
+        let n_rep = self.heads / self.kv_heads;
+        let q = rope.forward(split_heads(self.q_proj.forward(x.clone()), 2 * self.heads));
+        let k = rope.forward(split_heads(
+            self.k_proj.forward(x.clone()),
+            2 * self.kv_heads,
+        ));
+        let v = split_heads(self.v_proj.forward(x), self.kv_heads);
+        let [b, _, s, d] = q.dims();
+        let q = q.reshape([b, self.heads, 2, s, d]);
+        // Fold each kv head's two halves into one "head" of 2S rows, so that repeating heads keeps
+        // the halves (g, 0) and (g, 1) together: query half (h, c) meets key half (h / n_rep, c).
+        let k = repeat_kv(k.reshape([b, self.kv_heads, 2 * s, d]), n_rep)
+            .reshape([b, self.heads, 2, s, d]);
+        (q, k, repeat_kv(v, n_rep))
+    }
+
+    /// `(1 − λ_init)·subln(heads)`, merged and projected.
+    fn output(&self, heads: Tensor<4>) -> Tensor<3> {
+        let heads = self.subln.forward(heads).mul_scalar(1.0 - self.lambda_init);
+        self.o_proj.forward(merge_heads(heads))
+    }
+
+    /// λ as a `[1, 1, 1, 1]` tensor in `dtype`, ready to broadcast.
+    fn lambda_as(&self, dtype: DType) -> Tensor<4> {
+        self.lambda().cast(dtype).reshape([1, 1, 1, 1])
+    }
+
+    pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
+        let dtype = x.dtype();
+        let (q, k, v) = self.qkv(x, rope);
+        let lambda = self.lambda_as(dtype);
+        let heads = if self.fused {
+            let half = |t: &Tensor<5>, c: usize| t.clone().narrow(2, c, 1).squeeze_dim::<4>(2);
+            let a1v = fused_causal_attention(half(&q, 0), half(&k, 0), v.clone());
+            let a2v = fused_causal_attention(half(&q, 1), half(&k, 1), v);
+            a1v - a2v * lambda
+        } else {
+            let [a1, a2] = maps(softmax(causal_logits(q, k), 4));
+            (a1 - a2 * lambda).matmul(v)
+        };
+        self.output(heads)
+    }
+
+    pub fn forward_probe(
+        &self,
+        x: Tensor<3>,
+        rope: &RotaryEncoding,
+    ) -> (Tensor<3>, AttentionProbe) {
+        let dtype = x.dtype();
+        let (q, k, v) = self.qkv(x, rope);
+        let logits = causal_logits(q, k);
+        let probs = softmax(logits.clone(), 4);
+        let [a1, a2] = maps(probs.clone());
+        let effective = a1 - a2 * self.lambda_as(dtype);
+        let out = self.output(effective.clone().matmul(v));
+        let [b, h, _, s, _] = logits.dims();
+        let probe = AttentionProbe {
+            logits: logits.reshape([b, 2 * h, s, s]),
+            probs: probs.reshape([b, 2 * h, s, s]),
+            effective,
+            lambda: Some(self.lambda().reshape([1, 1, 1])),
+        };
+        (out, probe)
+    }
+}
+
+/// Splits `[B, H', 2, S, S]` maps into A₁ and A₂, each `[B, H', S, S]`.
+fn maps(probs: Tensor<5>) -> [Tensor<4>; 2] {
+    [0, 1].map(|c| probs.clone().narrow(2, c, 1).squeeze_dim::<4>(2))
+}

@@ -1,0 +1,126 @@
+//! DIFF Transformer V2 attention (official `multihead_flashdiffv2.py`, Jan 2026).
+//!
+//! With the baseline's H and H_kv and head dim d = d_model/H, V2 has 2H query heads and the
+//! baseline's H_kv key/value heads; n_rep = 2H/H_kv (even, so query heads 2h and 2h+1 share a GQA
+//! group and its values):
+//!
+//! ```text
+//! Q = RoPE(X·W_q) [B, 2H, S, d],  K = RoPE(X·W_k), V = X·W_v [B, H_kv, S, d]
+//! o_i = softmax(Q_i·K_{i/n_rep}ᵀ/√d + mask)·V_{i/n_rep}              (one standard attention, 2H heads)
+//! λ_{t,h} = sigmoid(x_t·W_λ),  W_λ: d_model → H, no bias               (per token and head, from the block's attention input)
+//! out_h = o_{2h} − λ_{t,h}·o_{2h+1}                                   (no subln, no λ_init)
+//! out = Concat(out_0 … out_{H−1})·W_o,  W_o: H·d → d_model
+//! ```
+//!
+//! V2 has d_model² + H·d_model more parameters per layer than the baseline (the extra H query
+//! heads and W_λ).
+
+use super::{
+    AttentionProbe, causal_logits, causal_softmax, fused_causal_attention, merge_heads, projection,
+    repeat_kv, split_heads,
+};
+use crate::config::ModelConfig;
+use burn::module::Module;
+use burn::nn::{Linear, RotaryEncoding};
+use burn::tensor::activation::{sigmoid, softmax};
+use burn::tensor::{DType, Device, Tensor};
+
+#[derive(Module, Debug)]
+pub struct DiffV2Attention {
+    /// d_model → 2H·d.
+    pub q_proj: Linear,
+    /// d_model → H_kv·d.
+    pub k_proj: Linear,
+    /// d_model → H_kv·d.
+    pub v_proj: Linear,
+    /// H·d → d_model.
+    pub o_proj: Linear,
+    /// W_λ: d_model → H.
+    pub lambda_proj: Linear,
+    /// H (output heads; there are 2H query heads).
+    pub heads: usize,
+    /// H_kv.
+    pub kv_heads: usize,
+    pub fused: bool,
+}
+
+impl DiffV2Attention {
+    pub fn new(config: &ModelConfig, device: &Device) -> Self {
+        let (d_model, d) = (config.d_model, config.head_dim());
+        let (heads, kv_heads) = (config.heads, config.kv_heads());
+        Self {
+            q_proj: projection(config, d_model, 2 * heads * d, device),
+            k_proj: projection(config, d_model, kv_heads * d, device),
+            v_proj: projection(config, d_model, kv_heads * d, device),
+            o_proj: projection(config, heads * d, d_model, device),
+            lambda_proj: projection(config, d_model, heads, device),
+            heads,
+            kv_heads,
+            fused: config.fused_attention,
+        }
+    }
+
+    /// λ_{t,h} = sigmoid(x_t·W_λ) in f32, `[B, S, H]`.
+    pub fn lambda(&self, x: Tensor<3>) -> Tensor<3> {
+        sigmoid(self.lambda_proj.forward(x).cast(DType::F32))
+    }
+
+    /// Q, K and V with 2H heads each (K and V GQA-repeated), `[B, 2H, S, d]`.
+    fn qkv(&self, x: Tensor<3>, rope: &RotaryEncoding) -> [Tensor<4>; 3] {
+        let n_rep = 2 * self.heads / self.kv_heads;
+        let q = rope.forward(split_heads(self.q_proj.forward(x.clone()), 2 * self.heads));
+        let k = rope.forward(split_heads(self.k_proj.forward(x.clone()), self.kv_heads));
+        let v = split_heads(self.v_proj.forward(x), self.kv_heads);
+        [q, repeat_kv(k, n_rep), repeat_kv(v, n_rep)]
+    }
+
+    /// Pairs `[B, 2H, S, n]` into `x_{2h} − λ_{t,h}·x_{2h+1}`, `[B, H, S, n]`.
+    fn differentiate(&self, x: Tensor<4>, lambda: Tensor<3>) -> Tensor<4> {
+        let [b, _, s, n] = x.dims();
+        let pairs = x.reshape([b, self.heads, 2, s, n]);
+        let first = pairs.clone().narrow(2, 0, 1).squeeze_dim::<4>(2);
+        let second = pairs.narrow(2, 1, 1).squeeze_dim::<4>(2);
+        // λ [B, S, H] → [B, H, S, 1], in the activations' dtype.
+        let lambda = lambda
+            .cast(first.dtype())
+            .swap_dims(1, 2)
+            .unsqueeze_dim::<4>(3);
+        first - second * lambda
+    }
+
+    pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
+        let lambda = self.lambda(x.clone());
+        let [q, k, v] = self.qkv(x, rope);
+        let o = if self.fused {
+            fused_causal_attention(q, k, v)
+        } else {
+            causal_softmax(q, k).matmul(v)
+        };
+        self.o_proj
+            .forward(merge_heads(self.differentiate(o, lambda)))
+    }
+
+    pub fn forward_probe(
+        &self,
+        x: Tensor<3>,
+        rope: &RotaryEncoding,
+    ) -> (Tensor<3>, AttentionProbe) {
+        let lambda = self.lambda(x.clone());
+        let [q, k, v] = self.qkv(x, rope);
+        let logits = causal_logits(q, k);
+        let probs = softmax(logits.clone(), 3);
+        // Both heads of a pair read the same values, so the output is this map applied to them.
+        let effective = self.differentiate(probs.clone(), lambda.clone());
+        let o = probs.clone().matmul(v);
+        let out = self
+            .o_proj
+            .forward(merge_heads(self.differentiate(o, lambda.clone())));
+        let probe = AttentionProbe {
+            logits,
+            probs,
+            effective,
+            lambda: Some(lambda),
+        };
+        (out, probe)
+    }
+}

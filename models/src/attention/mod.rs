@@ -1,0 +1,153 @@
+//! Attention variants and what they share.
+//!
+//! Each variant lives in its own file whose doc comment states its equations. They share the
+//! head layout helpers, the causal softmax and the probe type below. All tensors inside
+//! attention are `[batch, heads, seq, dim]`.
+
+mod diff;
+mod diff_v2;
+mod transformer;
+
+pub use diff::DiffAttention;
+pub use diff_v2::DiffV2Attention;
+pub use transformer::TransformerAttention;
+
+use crate::config::{AttentionKind, ModelConfig};
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig, RotaryEncoding};
+use burn::tensor::activation::softmax;
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Bool, Device, Tensor};
+
+/// The attention of one decoder block. (Variants differ in size; there is one per block, so
+/// boxing would buy nothing.)
+#[derive(Module, Debug)]
+#[allow(clippy::large_enum_variant)]
+pub enum Attention {
+    Transformer(TransformerAttention),
+    Diff(DiffAttention),
+    DiffV2(DiffV2Attention),
+}
+
+/// What an attention layer computed, for analysis (off the training hot path).
+#[derive(Debug, Clone)]
+pub struct AttentionProbe {
+    /// Pre-softmax logits `QKᵀ/√d` of every softmax map, `[B, maps, S, S]`; entries above the
+    /// diagonal are `-inf` (masked). DIFF V1: map `2h` is head h's A₁, map `2h+1` its A₂.
+    /// DIFF V2: maps are the 2H query heads.
+    pub logits: Tensor<4>,
+    /// The softmax maps, `[B, maps, S, S]`.
+    pub probs: Tensor<4>,
+    /// The map each output head applies to its values, `[B, heads, S, S]`: the softmax map for
+    /// the baseline, `A₁ − λ·A₂` for DIFF V1, `A_{2h} − λ_{t,h}·A_{2h+1}` for DIFF V2.
+    pub effective: Tensor<4>,
+    /// λ: `[1, 1, 1]` for DIFF V1 (one scalar per layer), `[B, S, H]` for DIFF V2, `None` for
+    /// the baseline. Always f32.
+    pub lambda: Option<Tensor<3>>,
+}
+
+impl Attention {
+    /// Builds the attention of block `depth` (0-based) for the configured variant.
+    pub fn new(config: &ModelConfig, depth: usize, device: &Device) -> Self {
+        match config.attention {
+            AttentionKind::Transformer => {
+                Self::Transformer(TransformerAttention::new(config, device))
+            }
+            AttentionKind::Diff => Self::Diff(DiffAttention::new(config, depth, device)),
+            AttentionKind::DiffV2 => Self::DiffV2(DiffV2Attention::new(config, device)),
+        }
+    }
+
+    /// `x`: `[B, S, d_model]` (already normalised) → `[B, S, d_model]`.
+    pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
+        match self {
+            Self::Transformer(a) => a.forward(x, rope),
+            Self::Diff(a) => a.forward(x, rope),
+            Self::DiffV2(a) => a.forward(x, rope),
+        }
+    }
+
+    /// Like [`Attention::forward`], also returning the attention maps.
+    pub fn forward_probe(
+        &self,
+        x: Tensor<3>,
+        rope: &RotaryEncoding,
+    ) -> (Tensor<3>, AttentionProbe) {
+        match self {
+            Self::Transformer(a) => a.forward_probe(x, rope),
+            Self::Diff(a) => a.forward_probe(x, rope),
+            Self::DiffV2(a) => a.forward_probe(x, rope),
+        }
+    }
+
+    /// DIFF V1's current λ of this layer (input-independent); `None` for other variants.
+    pub fn lambda(&self) -> Option<f32> {
+        match self {
+            Self::Diff(a) => Some(a.lambda().into_scalar::<f32>()),
+            _ => None,
+        }
+    }
+}
+
+/// A bias-free linear projection with the configured initialisation.
+pub(crate) fn projection(
+    config: &ModelConfig,
+    d_in: usize,
+    d_out: usize,
+    device: &Device,
+) -> Linear {
+    LinearConfig::new(d_in, d_out)
+        .with_bias(false)
+        .with_initializer(config.linear_initializer())
+        .init(device)
+}
+
+/// `[B, S, heads·dim]` → `[B, heads, S, dim]`.
+pub(crate) fn split_heads(x: Tensor<3>, heads: usize) -> Tensor<4> {
+    let [b, s, width] = x.dims();
+    x.reshape([b, s, heads, width / heads]).swap_dims(1, 2)
+}
+
+/// `[B, heads, S, dim]` → `[B, S, heads·dim]`.
+pub(crate) fn merge_heads(x: Tensor<4>) -> Tensor<3> {
+    let [b, h, s, dim] = x.dims();
+    x.swap_dims(1, 2).reshape([b, s, h * dim])
+}
+
+/// GQA: `[B, H_kv, S, dim]` → `[B, H_kv·n_rep, S, dim]`, query head `i` reading kv head
+/// `i / n_rep` (the official code's `repeat_kv`).
+pub(crate) fn repeat_kv(x: Tensor<4>, n_rep: usize) -> Tensor<4> {
+    if n_rep == 1 {
+        return x;
+    }
+    let [b, h_kv, s, dim] = x.dims();
+    x.unsqueeze_dim::<5>(2)
+        .expand([b, h_kv, n_rep, s, dim])
+        .reshape([b, h_kv * n_rep, s, dim])
+}
+
+/// Scaled causal logits `q·kᵀ/√d` with `-inf` above the diagonal; `q`, `k`: `[.., S, d]`.
+pub(crate) fn causal_logits<const D: usize>(q: Tensor<D>, k: Tensor<D>) -> Tensor<D> {
+    let [s, d] = [q.dims()[D - 2], q.dims()[D - 1]];
+    let logits = q
+        .matmul(k.swap_dims(D - 2, D - 1))
+        .mul_scalar(1.0 / (d as f64).sqrt());
+    let future = Tensor::<2, Bool>::tril_mask([s, s], 0, &logits.device()).unsqueeze::<D>();
+    logits.mask_fill(future, f32::NEG_INFINITY)
+}
+
+/// Causal softmax map `softmax(q·kᵀ/√d)`.
+pub(crate) fn causal_softmax<const D: usize>(q: Tensor<D>, k: Tensor<D>) -> Tensor<D> {
+    softmax(causal_logits(q, k), D - 1)
+}
+
+/// `softmax(q·kᵀ/√d)·v` through Burn's attention op (a fused kernel where the backend has one;
+/// the default scale is 1/√d). `q`, `k`: `[B, H, S, d]`, `v`: `[B, H, S, d_v]`.
+pub(crate) fn fused_causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
+    let options = AttentionModuleOptions {
+        is_causal: true,
+        ..Default::default()
+    };
+    attention(q, k, v, None, None, options)
+}

@@ -1,0 +1,85 @@
+//! Baseline Transformer attention (causal, GQA, RoPE).
+//!
+//! With H query heads, H_kv key/value heads, head dim d = d_model/H and n_rep = H/H_kv:
+//!
+//! ```text
+//! Q = RoPE(X·W_q),  K = RoPE(X·W_k),  V = X·W_v          Q: [B, H, S, d], K, V: [B, H_kv, S, d]
+//! head_i = softmax(Q_i·K_{i/n_rep}ᵀ/√d + causal mask)·V_{i/n_rep}
+//! out = Concat(head_0 … head_{H−1})·W_o
+//! ```
+
+use super::{
+    AttentionProbe, causal_logits, causal_softmax, fused_causal_attention, merge_heads, projection,
+    repeat_kv, split_heads,
+};
+use crate::config::ModelConfig;
+use burn::module::Module;
+use burn::nn::{Linear, RotaryEncoding};
+use burn::tensor::activation::softmax;
+use burn::tensor::{Device, Tensor};
+
+#[derive(Module, Debug)]
+pub struct TransformerAttention {
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+    /// H.
+    pub heads: usize,
+    /// H_kv.
+    pub kv_heads: usize,
+    pub fused: bool,
+}
+
+impl TransformerAttention {
+    pub fn new(config: &ModelConfig, device: &Device) -> Self {
+        let (d_model, d) = (config.d_model, config.head_dim());
+        let (heads, kv_heads) = (config.heads, config.kv_heads());
+        Self {
+            q_proj: projection(config, d_model, heads * d, device),
+            k_proj: projection(config, d_model, kv_heads * d, device),
+            v_proj: projection(config, d_model, kv_heads * d, device),
+            o_proj: projection(config, heads * d, d_model, device),
+            heads,
+            kv_heads,
+            fused: config.fused_attention,
+        }
+    }
+
+    /// Q, K (repeated to H heads) and V (repeated), each `[B, H, S, d]`.
+    fn qkv(&self, x: Tensor<3>, rope: &RotaryEncoding) -> [Tensor<4>; 3] {
+        let n_rep = self.heads / self.kv_heads;
+        let q = rope.forward(split_heads(self.q_proj.forward(x.clone()), self.heads));
+        let k = rope.forward(split_heads(self.k_proj.forward(x.clone()), self.kv_heads));
+        let v = split_heads(self.v_proj.forward(x), self.kv_heads);
+        [q, repeat_kv(k, n_rep), repeat_kv(v, n_rep)]
+    }
+
+    pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
+        let [q, k, v] = self.qkv(x, rope);
+        let heads = if self.fused {
+            fused_causal_attention(q, k, v)
+        } else {
+            causal_softmax(q, k).matmul(v)
+        };
+        self.o_proj.forward(merge_heads(heads))
+    }
+
+    pub fn forward_probe(
+        &self,
+        x: Tensor<3>,
+        rope: &RotaryEncoding,
+    ) -> (Tensor<3>, AttentionProbe) {
+        let [q, k, v] = self.qkv(x, rope);
+        let logits = causal_logits(q, k);
+        let probs = softmax(logits.clone(), 3);
+        let out = self.o_proj.forward(merge_heads(probs.clone().matmul(v)));
+        let probe = AttentionProbe {
+            logits,
+            effective: probs.clone(),
+            probs,
+            lambda: None,
+        };
+        (out, probe)
+    }
+}

@@ -1,0 +1,29 @@
+//! # diffzoo-models
+//!
+//! The DIFF Transformer (Ye et al., "Differential Transformer", ICLR 2025), its V2 and a
+//! parameter-matched baseline Transformer as backend-agnostic Burn modules.
+//!
+//! | paper | file |
+//! |---|---|
+//! | decoder, pre-norm blocks, RMSNorm, RoPE | [`model`] |
+//! | SwiGLU | [`feed_forward`] |
+//! | baseline attention | [`attention::TransformerAttention`] |
+//! | DIFF V1, eq. 1–3, λ, λ_init, subln | [`attention::DiffAttention`] |
+//! | DIFF V2 | [`attention::DiffV2Attention`] |
+//! | parameter counts, FLOPs, KV cache | [`budget`] |
+//!
+//! ```text
+//! ModelConfig::new(AttentionKind::Diff, d_model, layers, heads, vocab, max_seq_len).init(&device)
+//!     -> Model::forward(tokens [B, S]) -> logits [B, S, vocab]
+//! ```
+
+pub mod attention;
+pub mod budget;
+pub mod config;
+pub mod feed_forward;
+pub mod model;
+
+pub use attention::{Attention, AttentionProbe};
+pub use budget::{FlopsPerToken, ParamCount};
+pub use config::{AttentionKind, ModelConfig, lambda_init};
+pub use model::{Block, LayerProbe, Model, ModelProbe};

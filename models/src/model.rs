@@ -1,0 +1,160 @@
+//! The decoder-only language model, shared by every variant:
+//!
+//! ```text
+//! h₀ = Embed(tokens)
+//! h = x + Attn(RMSNorm(x));  x' = h + SwiGLU(RMSNorm(h))      (each of the L blocks)
+//! logits = RMSNorm(h_L)·W_head                                 (W_head = Embedᵀ when tied)
+//! ```
+//!
+//! No biases, no dropout; RoPE (adjacent pairs, GPT-J layout) on every query and key head.
+
+use crate::attention::{Attention, AttentionProbe, projection};
+use crate::config::ModelConfig;
+use crate::feed_forward::SwiGlu;
+use burn::module::Module;
+use burn::nn::{
+    Embedding, EmbeddingConfig, Initializer, Linear, RmsNorm, RmsNormConfig, RotaryEncoding,
+    RotaryEncodingConfig,
+};
+use burn::tensor::{Device, Int, Tensor};
+
+/// One pre-norm decoder block.
+#[derive(Module, Debug)]
+pub struct Block {
+    pub attn_norm: RmsNorm,
+    pub attn: Attention,
+    pub ffn_norm: RmsNorm,
+    pub ffn: SwiGlu,
+}
+
+impl Block {
+    fn new(config: &ModelConfig, depth: usize, device: &Device) -> Self {
+        let norm = || {
+            RmsNormConfig::new(config.d_model)
+                .with_epsilon(config.norm_eps)
+                .init(device)
+        };
+        Self {
+            attn_norm: norm(),
+            attn: Attention::new(config, depth, device),
+            ffn_norm: norm(),
+            ffn: SwiGlu::new(config, device),
+        }
+    }
+
+    pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
+        let h = x.clone() + self.attn.forward(self.attn_norm.forward(x), rope);
+        h.clone() + self.ffn.forward(self.ffn_norm.forward(h))
+    }
+
+    fn forward_probe(&self, x: Tensor<3>, rope: &RotaryEncoding) -> (Tensor<3>, AttentionProbe) {
+        let (a, probe) = self
+            .attn
+            .forward_probe(self.attn_norm.forward(x.clone()), rope);
+        let h = x + a;
+        (
+            h.clone() + self.ffn.forward(self.ffn_norm.forward(h)),
+            probe,
+        )
+    }
+}
+
+/// The language model.
+#[derive(Module, Debug)]
+pub struct Model {
+    pub embed: Embedding,
+    pub blocks: Vec<Block>,
+    pub norm: RmsNorm,
+    /// `None` when the embedding is tied to the head.
+    pub lm_head: Option<Linear>,
+    pub rope: RotaryEncoding,
+}
+
+/// What the analysis path records of one block.
+#[derive(Debug, Clone)]
+pub struct LayerProbe {
+    pub attention: AttentionProbe,
+    /// The block's output hidden state, `[B, S, d_model]`.
+    pub hidden: Tensor<3>,
+}
+
+/// Logits and per-layer probes of one forward pass.
+#[derive(Debug, Clone)]
+pub struct ModelProbe {
+    pub logits: Tensor<3>,
+    pub layers: Vec<LayerProbe>,
+}
+
+impl ModelConfig {
+    /// Builds the model. Panics on an invalid configuration; call [`ModelConfig::validate`]
+    /// first to get the reason as an error.
+    pub fn init(&self, device: &Device) -> Model {
+        if let Err(reason) = self.validate() {
+            panic!("invalid model configuration: {reason}");
+        }
+        let embed = EmbeddingConfig::new(self.vocab_size, self.d_model)
+            .with_initializer(Initializer::Normal {
+                mean: 0.0,
+                std: self.embedding_std,
+            })
+            .init(device);
+        Model {
+            embed,
+            blocks: (0..self.layers)
+                .map(|depth| Block::new(self, depth, device))
+                .collect(),
+            norm: RmsNormConfig::new(self.d_model)
+                .with_epsilon(self.norm_eps)
+                .init(device),
+            lm_head: (!self.tie_embeddings)
+                .then(|| projection(self, self.d_model, self.vocab_size, device)),
+            rope: RotaryEncodingConfig::new(self.max_seq_len, self.head_dim())
+                .with_theta(self.rope_theta)
+                .init(device),
+        }
+    }
+}
+
+impl Model {
+    /// `tokens`: `[B, S]` → logits `[B, S, vocab]`.
+    pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let h = self
+            .blocks
+            .iter()
+            .fold(self.embed.forward(tokens), |h, block| {
+                block.forward(h, &self.rope)
+            });
+        self.head(h)
+    }
+
+    /// The forward pass with every layer's attention maps, λ and hidden state recorded.
+    pub fn forward_probe(&self, tokens: Tensor<2, Int>) -> ModelProbe {
+        let mut h = self.embed.forward(tokens);
+        let mut layers = Vec::with_capacity(self.blocks.len());
+        for block in &self.blocks {
+            let (next, attention) = block.forward_probe(h, &self.rope);
+            layers.push(LayerProbe {
+                attention,
+                hidden: next.clone(),
+            });
+            h = next;
+        }
+        ModelProbe {
+            logits: self.head(h),
+            layers,
+        }
+    }
+
+    /// DIFF V1's λ of every layer (input-independent); empty for the other variants.
+    pub fn lambdas(&self) -> Vec<f32> {
+        self.blocks.iter().filter_map(|b| b.attn.lambda()).collect()
+    }
+
+    fn head(&self, h: Tensor<3>) -> Tensor<3> {
+        let h = self.norm.forward(h);
+        match &self.lm_head {
+            Some(head) => head.forward(h),
+            None => h.matmul(self.embed.weight.val().transpose().unsqueeze::<3>()),
+        }
+    }
+}

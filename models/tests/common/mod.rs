@@ -1,0 +1,155 @@
+//! Test helpers: golden fixtures written by `tests/reference/reference.py`, small configs and
+//! tensor comparisons.
+#![allow(dead_code)]
+
+use burn::store::{ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use diffzoo_models::{AttentionKind, Model, ModelConfig};
+use safetensors::{Dtype, SafeTensors};
+use std::path::PathBuf;
+
+pub const CASES: [(&str, AttentionKind, usize, usize, usize); 6] = [
+    ("transformer_mha", AttentionKind::Transformer, 32, 4, 4),
+    ("transformer_gqa", AttentionKind::Transformer, 48, 8, 2),
+    ("diff_mha", AttentionKind::Diff, 32, 4, 4),
+    ("diff_gqa", AttentionKind::Diff, 48, 8, 4),
+    ("diff_v2_mha", AttentionKind::DiffV2, 32, 4, 4),
+    ("diff_v2_gqa", AttentionKind::DiffV2, 48, 8, 2),
+];
+
+fn fixture_path(file: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(file)
+}
+
+/// The tensors a reference case recorded (tokens, logits, gradients, …).
+pub struct Io {
+    bytes: Vec<u8>,
+}
+
+impl Io {
+    pub fn load(case: &str) -> Self {
+        let path = fixture_path(&format!("{case}.io.safetensors"));
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        Self { bytes }
+    }
+
+    fn view(&self) -> SafeTensors<'_> {
+        SafeTensors::deserialize(&self.bytes).expect("valid safetensors")
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.view().names().into_iter().map(String::from).collect()
+    }
+
+    pub fn float<const D: usize>(&self, name: &str, device: &Device) -> Tensor<D> {
+        let view = self.view();
+        let t = view.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(t.dtype(), Dtype::F32, "{name}");
+        let values: Vec<f32> = t
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        Tensor::from_data(TensorData::new(values, t.shape().to_vec()), device)
+    }
+
+    pub fn int<const D: usize>(&self, name: &str, device: &Device) -> Tensor<D, Int> {
+        let view = self.view();
+        let t = view.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(t.dtype(), Dtype::I64, "{name}");
+        let values: Vec<i64> = t
+            .data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        Tensor::from_data(TensorData::new(values, t.shape().to_vec()), device)
+    }
+}
+
+/// The configuration of a reference case (2 layers, vocab 48, default FFN and θ).
+pub fn case_config(
+    attention: AttentionKind,
+    d_model: usize,
+    heads: usize,
+    kv_heads: usize,
+) -> ModelConfig {
+    ModelConfig::new(attention, d_model, 2, heads, 48, 64).with_kv_heads(Some(kv_heads))
+}
+
+/// Builds the model of a case and loads its reference weights, checking that every parameter
+/// was loaded and every stored tensor used.
+pub fn load_model(case: &str, config: &ModelConfig, device: &Device) -> Model {
+    let mut model = config.init(device);
+    let mut store =
+        SafetensorsStore::from_file(fixture_path(&format!("{case}.weights.safetensors")))
+            .with_from_adapter(PyTorchToBurnAdapter)
+            .skip_enum_variants(true);
+    let result = model.load_from(&mut store).expect("load reference weights");
+    assert!(result.errors.is_empty(), "{case}: {:?}", result.errors);
+    assert!(
+        result.missing.is_empty(),
+        "{case}: missing {:?}",
+        result.missing
+    );
+    assert!(
+        result.unused.is_empty(),
+        "{case}: unused {:?}",
+        result.unused
+    );
+    model
+}
+
+/// Largest absolute difference between two tensors of the same shape.
+pub fn max_abs_diff<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> f32 {
+    assert_eq!(a.dims(), b.dims(), "shapes differ");
+    (a - b).abs().max().into_scalar::<f32>()
+}
+
+/// Asserts `|a − b| ≤ atol + rtol·|b|` element-wise.
+pub fn assert_close<const D: usize>(what: &str, a: Tensor<D>, b: Tensor<D>, atol: f32, rtol: f32) {
+    assert_eq!(a.dims(), b.dims(), "{what}: shapes differ");
+    let excess = ((a.clone() - b.clone()).abs() - b.clone().abs().mul_scalar(rtol))
+        .max()
+        .into_scalar::<f32>();
+    assert!(
+        excess <= atol,
+        "{what}: max |a − b| − rtol·|b| = {excess:e} > {atol:e} (max |a − b| = {:e})",
+        max_abs_diff(a, b)
+    );
+}
+
+/// Random tokens in `0..vocab`, deterministic in `seed`.
+pub fn tokens(
+    batch: usize,
+    seq: usize,
+    vocab: usize,
+    seed: u64,
+    device: &Device,
+) -> Tensor<2, Int> {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let values: Vec<i64> = (0..batch * seq)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % vocab as u64) as i64
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(values, [batch, seq]), device)
+}
+
+/// Every CPU backend compiled in, by name. (NdArray is deprecated upstream in favour of Flex;
+/// we keep supporting it.)
+#[allow(deprecated)]
+pub fn cpu_backends() -> Vec<(&'static str, Device)> {
+    vec![
+        #[cfg(feature = "flex")]
+        ("flex", Device::flex()),
+        #[cfg(feature = "ndarray")]
+        ("ndarray", Device::ndarray()),
+    ]
+}

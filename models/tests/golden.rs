@@ -1,0 +1,142 @@
+//! Golden numerics against the PyTorch reference (`tests/reference/reference.py`): logits,
+//! one block's attention output, the loss and the gradients of the λ parameters, for the three
+//! variants under MHA and GQA, through both the explicit and the fused attention path.
+
+mod common;
+
+use burn::module::Param;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::tensor::{Device, Tensor};
+use common::{CASES, Io, assert_close, case_config, load_model};
+use diffzoo_models::Attention;
+
+const ATOL: f32 = 1e-5;
+
+fn device() -> Device {
+    Device::flex()
+}
+
+#[test]
+fn logits_match_the_reference() {
+    let device = device();
+    for (case, attention, d_model, heads, kv_heads) in CASES {
+        let io = Io::load(case);
+        for fused in [false, true] {
+            let config =
+                case_config(attention, d_model, heads, kv_heads).with_fused_attention(fused);
+            let model = load_model(case, &config, &device);
+            let logits = model.forward(io.int::<2>("tokens", &device));
+            assert_close(
+                &format!("{case} logits (fused {fused})"),
+                logits,
+                io.float::<3>("logits", &device),
+                ATOL,
+                1e-5,
+            );
+        }
+    }
+}
+
+#[test]
+fn attention_output_matches_the_reference() {
+    let device = device();
+    for (case, attention, d_model, heads, kv_heads) in CASES {
+        let io = Io::load(case);
+        let config = case_config(attention, d_model, heads, kv_heads);
+        let model = load_model(case, &config, &device);
+        let block = &model.blocks[1];
+        let out = block
+            .attn
+            .forward(io.float::<3>("attn_in", &device), &model.rope);
+        assert_close(
+            &format!("{case} attention"),
+            out.clone(),
+            io.float::<3>("attn_out", &device),
+            ATOL,
+            1e-5,
+        );
+        let (probed, _) = block
+            .attn
+            .forward_probe(io.float::<3>("attn_in", &device), &model.rope);
+        assert_close(&format!("{case} probed attention"), probed, out, ATOL, 1e-5);
+    }
+}
+
+#[test]
+fn loss_and_lambda_gradients_match_the_reference() {
+    let device = device().autodiff();
+    for (case, attention, d_model, heads, kv_heads) in CASES {
+        let io = Io::load(case);
+        let config = case_config(attention, d_model, heads, kv_heads);
+        let model = load_model(case, &config, &device);
+        let logits = model.forward(io.int::<2>("tokens", &device));
+        let [b, s, v] = logits.dims();
+        let loss = CrossEntropyLossConfig::new().init(&device).forward(
+            logits.reshape([b * s, v]),
+            io.int::<2>("targets", &device).reshape([b * s]),
+        );
+        assert_close(
+            &format!("{case} loss"),
+            loss.clone(),
+            io.float::<1>("loss", &device),
+            ATOL,
+            1e-5,
+        );
+        let grads = loss.backward();
+        let mut checked = 0;
+        for (layer, block) in model.blocks.iter().enumerate() {
+            let prefix = format!("grad.blocks.{layer}.attn.");
+            let mut check = |name: &str, grad: Tensor<2>| {
+                let key = format!("{prefix}{name}");
+                let expected = match grad.dims()[0] {
+                    1 => io.float::<1>(&key, &device).unsqueeze::<2>(),
+                    _ => io.float::<2>(&key, &device),
+                };
+                assert_close(
+                    &format!("{case} {prefix}{name}"),
+                    grad,
+                    expected,
+                    ATOL,
+                    1e-4,
+                );
+                checked += 1;
+            };
+            // Burn stores Linear weights as [in, out]; PyTorch as [out, in].
+            let linear_grad = |w: &Param<Tensor<2>>| {
+                w.grad(&grads)
+                    .expect("gradient reaches the weight")
+                    .transpose()
+            };
+            if layer == 0 {
+                let q_proj = match &block.attn {
+                    Attention::Transformer(a) => &a.q_proj,
+                    Attention::Diff(a) => &a.q_proj,
+                    Attention::DiffV2(a) => &a.q_proj,
+                };
+                check("q_proj.weight", linear_grad(&q_proj.weight));
+            }
+            match &block.attn {
+                Attention::Diff(a) => {
+                    for (name, p) in [
+                        ("lambda_q1", &a.lambda_q1),
+                        ("lambda_k1", &a.lambda_k1),
+                        ("lambda_q2", &a.lambda_q2),
+                        ("lambda_k2", &a.lambda_k2),
+                    ] {
+                        let grad = p.grad(&grads).expect("gradient reaches λ");
+                        check(name, grad.unsqueeze::<2>());
+                    }
+                }
+                Attention::DiffV2(a) => {
+                    check("lambda_proj.weight", linear_grad(&a.lambda_proj.weight))
+                }
+                Attention::Transformer(_) => {}
+            }
+        }
+        let expected = io.names().iter().filter(|n| n.starts_with("grad.")).count();
+        assert_eq!(
+            checked, expected,
+            "{case}: every reference gradient is compared"
+        );
+    }
+}

@@ -1,0 +1,312 @@
+//! Invariants that hold for any weights: causality, parameter parity, the λ_init schedule,
+//! gradient flow, the analysis path's maps, and the budget arithmetic.
+
+mod common;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::{Device, Gradients, Tensor};
+use common::{max_abs_diff, tokens};
+use diffzoo_models::{Attention, AttentionKind, ModelConfig, lambda_init};
+
+fn device() -> Device {
+    Device::flex()
+}
+
+/// A small config with `heads`/`kv_heads` of the baseline.
+fn config(attention: AttentionKind, heads: usize, kv_heads: usize) -> ModelConfig {
+    ModelConfig::new(attention, 48, 3, heads, 61, 32).with_kv_heads(Some(kv_heads))
+}
+
+const SHAPES: [(usize, usize); 3] = [(4, 4), (8, 4), (8, 2)];
+
+#[test]
+fn future_tokens_never_change_past_outputs() {
+    let device = device();
+    for attention in AttentionKind::ALL {
+        for (heads, kv_heads) in SHAPES {
+            for fused in [false, true] {
+                device.seed(7);
+                let model = config(attention, heads, kv_heads)
+                    .with_fused_attention(fused)
+                    .init(&device);
+                let seq = 16;
+                let base = tokens(2, seq, 61, 1, &device);
+                let logits = model.forward(base.clone());
+                for (t, seed) in [(0, 2), (5, 3), (14, 4)] {
+                    let after = tokens(2, seq - t - 1, 61, seed, &device);
+                    let perturbed = base.clone().slice_assign([0..2, t + 1..seq], after);
+                    let other = model.forward(perturbed);
+                    let past = |x: &Tensor<3>| x.clone().narrow(1, 0, t + 1);
+                    let future = |x: &Tensor<3>| x.clone().narrow(1, t + 1, seq - t - 1);
+                    let what = format!("{attention} H={heads} H_kv={kv_heads} fused={fused} t={t}");
+                    assert!(
+                        max_abs_diff(past(&logits), past(&other)) <= 1e-6,
+                        "{what}: past changed"
+                    );
+                    assert!(
+                        max_abs_diff(future(&logits), future(&other)) > 1e-4,
+                        "{what}: future unchanged"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn diff_has_the_baseline_parameters_plus_six_d_per_layer() {
+    let device = device();
+    for (heads, kv_heads) in SHAPES {
+        let base = config(AttentionKind::Transformer, heads, kv_heads);
+        let diff = config(AttentionKind::Diff, heads, kv_heads);
+        let v2 = config(AttentionKind::DiffV2, heads, kv_heads);
+        let (l, d_model, d) = (base.layers, base.d_model, base.head_dim());
+        let n_base = base.init(&device).num_params();
+        assert_eq!(diff.init(&device).num_params(), n_base + 6 * d * l);
+        assert_eq!(
+            v2.init(&device).num_params(),
+            n_base + l * (d_model * d_model + heads * d_model)
+        );
+    }
+}
+
+#[test]
+fn counted_parameters_equal_the_module_parameters() {
+    let device = device();
+    for attention in AttentionKind::ALL {
+        for (heads, kv_heads) in SHAPES {
+            for tie in [false, true] {
+                let config = config(attention, heads, kv_heads)
+                    .with_tie_embeddings(tie)
+                    .with_ffn_dim(Some(100));
+                let count = config.param_count();
+                assert_eq!(
+                    count.total as usize,
+                    config.init(&device).num_params(),
+                    "{attention} tie={tie}"
+                );
+                let tables = if tie { 1 } else { 2 };
+                assert_eq!(count.total, count.non_embedding + tables * 61 * 48);
+                assert_eq!(count.paper, count.non_embedding + 61 * 48);
+            }
+        }
+    }
+}
+
+#[test]
+fn lambda_init_follows_the_paper_schedule() {
+    let expected = [0.2, 0.355_509, 0.470_713, 0.556_058];
+    for (depth, value) in expected.into_iter().enumerate() {
+        assert!(
+            (lambda_init(depth) - value).abs() < 1e-6,
+            "depth {depth}: {}",
+            lambda_init(depth)
+        );
+    }
+    assert!((lambda_init(100) - 0.8).abs() < 1e-9);
+    let model = config(AttentionKind::Diff, 4, 4).init(&device());
+    for (depth, block) in model.blocks.iter().enumerate() {
+        let Attention::Diff(a) = &block.attn else {
+            panic!("diff block expected")
+        };
+        assert_eq!(a.lambda_init, lambda_init(depth));
+    }
+}
+
+/// Collects the parameter paths whose gradient is missing or all zero.
+struct GradientCheck<'a> {
+    grads: &'a Gradients,
+    path: Vec<String>,
+    dead: Vec<String>,
+    seen: usize,
+}
+
+impl ModuleVisitor for GradientCheck<'_> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        self.seen += 1;
+        let alive = param
+            .grad(self.grads)
+            .is_some_and(|g| g.abs().max().into_scalar::<f32>() > 0.0);
+        if !alive {
+            self.dead.push(self.path.join("."));
+        }
+    }
+}
+
+#[test]
+fn gradients_reach_every_parameter() {
+    let device = device().autodiff();
+    for attention in AttentionKind::ALL {
+        device.seed(3);
+        let model = config(attention, 8, 4).init(&device);
+        let loss = model
+            .forward(tokens(2, 10, 61, 5, &device))
+            .powf_scalar(2.0)
+            .mean();
+        let grads = loss.backward();
+        let mut check = GradientCheck {
+            grads: &grads,
+            path: Vec::new(),
+            dead: Vec::new(),
+            seen: 0,
+        };
+        model.visit(&mut check);
+        assert!(check.seen > 0);
+        assert!(
+            check.dead.is_empty(),
+            "{attention}: no gradient for {:?}",
+            check.dead
+        );
+    }
+}
+
+#[test]
+fn probe_maps_are_causal_and_rows_sum_to_one_minus_lambda() {
+    let device = device();
+    for attention in AttentionKind::ALL {
+        device.seed(11);
+        let model = config(attention, 8, 4).init(&device);
+        let input = tokens(2, 9, 61, 9, &device);
+        let probe = model.forward_probe(input.clone());
+        assert!(max_abs_diff(probe.logits.clone(), model.forward(input)) <= 1e-6);
+        assert_eq!(probe.layers.len(), 3);
+        for layer in &probe.layers {
+            let a = &layer.attention;
+            let [b, maps, s, _] = a.probs.dims();
+            let probs_rows = a.probs.clone().sum_dim(3);
+            assert!(max_abs_diff(probs_rows, Tensor::ones([b, maps, s, 1], &device)) < 1e-5);
+            let above = a.effective.clone().triu(1).abs().max().into_scalar::<f32>();
+            assert_eq!(
+                above, 0.0,
+                "{attention}: effective map attends to the future"
+            );
+            let logits_above = a
+                .logits
+                .clone()
+                .slice([0..1, 0..1, 0..1, 1..2])
+                .into_scalar::<f32>();
+            assert_eq!(logits_above, f32::NEG_INFINITY);
+            let [_, heads, _, _] = a.effective.dims();
+            let rows = a.effective.clone().sum_dim(3);
+            let expected = match (&a.lambda, attention) {
+                (None, AttentionKind::Transformer) => Tensor::ones([b, heads, s, 1], &device),
+                (Some(l), AttentionKind::Diff) => {
+                    assert_eq!(l.dims(), [1, 1, 1]);
+                    Tensor::ones([b, heads, s, 1], &device) - l.clone().unsqueeze::<4>()
+                }
+                (Some(l), AttentionKind::DiffV2) => {
+                    assert_eq!(l.dims(), [b, s, heads]);
+                    Tensor::ones([b, heads, s, 1], &device)
+                        - l.clone().swap_dims(1, 2).unsqueeze_dim::<4>(3)
+                }
+                other => panic!("unexpected λ for {attention}: {:?}", other.0.is_some()),
+            };
+            assert!(
+                max_abs_diff(rows, expected) < 1e-5,
+                "{attention}: rows of the effective map"
+            );
+        }
+    }
+}
+
+#[test]
+fn diff_model_reports_one_lambda_per_layer() {
+    let model = config(AttentionKind::Diff, 4, 4).init(&device());
+    let lambdas = model.lambdas();
+    assert_eq!(lambdas.len(), 3);
+    for (depth, (lambda, block)) in lambdas.iter().zip(&model.blocks).enumerate() {
+        let Attention::Diff(a) = &block.attn else {
+            unreachable!()
+        };
+        let dot = |x: &Param<Tensor<1>>, y: &Param<Tensor<1>>| {
+            (x.val() * y.val()).sum().into_scalar::<f32>()
+        };
+        let expected = dot(&a.lambda_q1, &a.lambda_k1).exp()
+            - dot(&a.lambda_q2, &a.lambda_k2).exp()
+            + lambda_init(depth) as f32;
+        assert!((lambda - expected).abs() < 1e-6);
+    }
+    assert!(
+        config(AttentionKind::Transformer, 4, 4)
+            .init(&device())
+            .lambdas()
+            .is_empty()
+    );
+}
+
+#[test]
+fn flops_and_kv_cache_match_hand_arithmetic() {
+    // d_model 64, 2 layers, H 4, H_kv 2, d 16, FFN 170, vocab 100, context 32.
+    let cfg = |a| ModelConfig::new(a, 64, 2, 4, 100, 32).with_kv_heads(Some(2));
+    let linear_base =
+        2.0 * (64.0 * 64.0 + 2.0 * 64.0 * 32.0 + 64.0 * 64.0 + 3.0 * 64.0 * 170.0) + 64.0 * 100.0;
+    let attn_base = 2.0 * 2.0 * 32.0 * (64.0 + 64.0);
+    let base = cfg(AttentionKind::Transformer).flops_per_token(32);
+    assert_eq!(base.forward, 2.0 * linear_base + attn_base);
+    assert_eq!(base.training, 3.0 * base.forward);
+    // DIFF V1: same projections, same score and value work.
+    assert_eq!(cfg(AttentionKind::Diff).flops_per_token(32), base);
+    // DIFF V2: another 64·64 of W_q and 64·4 of W_λ per layer, twice the attention work.
+    let v2 = cfg(AttentionKind::DiffV2).flops_per_token(32);
+    assert_eq!(
+        v2.forward,
+        2.0 * (linear_base + 2.0 * (64.0 * 64.0 + 64.0 * 4.0)) + 2.0 * attn_base
+    );
+    for a in AttentionKind::ALL {
+        // 2 layers × (K and V of 2 heads × 16) × 2 bytes.
+        assert_eq!(cfg(a).kv_cache_bytes_per_token(2), 2 * 2 * 32 * 2);
+    }
+}
+
+#[test]
+fn invalid_configurations_name_the_field() {
+    let bad = [
+        (
+            ModelConfig::new(AttentionKind::Transformer, 50, 2, 4, 10, 8),
+            "`heads` = 4 does not divide `d_model` = 50",
+        ),
+        (
+            config(AttentionKind::Transformer, 8, 3),
+            "`kv_heads` = 3 does not divide `heads` = 8",
+        ),
+        (
+            config(AttentionKind::Diff, 6, 3),
+            "needs even `heads` and `kv_heads`",
+        ),
+        (
+            ModelConfig::new(AttentionKind::Transformer, 48, 2, 16, 10, 8),
+            "must be even for RoPE",
+        ),
+        (
+            config(AttentionKind::Transformer, 4, 4).with_ffn_dim(Some(0)),
+            "`ffn_dim` must be positive",
+        ),
+        (
+            config(AttentionKind::Transformer, 4, 4).with_rope_theta(-1.0),
+            "`rope_theta` must be positive",
+        ),
+    ];
+    for (config, message) in bad {
+        let err = config.validate().expect_err(message);
+        assert!(err.contains(message), "{err:?} should contain {message:?}");
+    }
+    assert!(config(AttentionKind::DiffV2, 6, 3).validate().is_ok());
+    assert_eq!(
+        "diff-v2".parse::<AttentionKind>(),
+        Ok(AttentionKind::DiffV2)
+    );
+    assert!(
+        "diff2"
+            .parse::<AttentionKind>()
+            .unwrap_err()
+            .contains("diff2")
+    );
+}

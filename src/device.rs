@@ -1,0 +1,68 @@
+//! Device selection: `--device` names one of the backends compiled in (cargo features). This is
+//! the one place that names the NdArray and LibTorch backends, which Burn deprecates in favour of
+//! Flex (we keep them: users asked for them).
+#![allow(deprecated)]
+
+use anyhow::{Result, anyhow, bail};
+use burn::tensor::Device;
+
+/// The device strings `--device` accepts, with the cargo feature each needs.
+pub const DEVICES: [(&str, &str); 7] = [
+    ("cpu", "flex or ndarray"),
+    ("flex", "flex"),
+    ("ndarray", "ndarray"),
+    ("wgpu", "wgpu"),
+    ("tch", "tch"),
+    ("tch-cuda:N", "tch"),
+    ("cuda:N", "cuda"),
+];
+
+/// `Ok(device)` when `feature` is compiled in, else an error saying which feature to enable.
+macro_rules! backend {
+    ($spec:expr, $feature:literal, $make:expr) => {{
+        #[cfg(feature = $feature)]
+        let device: Result<Device> = Ok($make);
+        #[cfg(not(feature = $feature))]
+        let device: Result<Device> = Err(anyhow!(
+            "device `{}` needs the `{}` cargo feature: rebuild with `--features {}`",
+            $spec,
+            $feature,
+            $feature
+        ));
+        device
+    }};
+}
+
+/// Parses a device string. `cpu` is the default CPU backend (Flex, measured faster than
+/// NdArray on a training step; see the README).
+pub fn parse(spec: &str) -> Result<Device> {
+    let (kind, index) = match spec.split_once(':') {
+        Some((kind, index)) => {
+            let index: usize = index
+                .parse()
+                .map_err(|_| anyhow::anyhow!("device `{spec}`: `{index}` is not a device index"))?;
+            (kind, Some(index))
+        }
+        None => (spec, None),
+    };
+    match (kind, index) {
+        #[cfg(feature = "flex")]
+        ("cpu", None) => backend!(spec, "flex", Device::flex()),
+        #[cfg(not(feature = "flex"))]
+        ("cpu", None) => backend!(spec, "ndarray", Device::ndarray()),
+        ("flex", None) => backend!(spec, "flex", Device::flex()),
+        ("ndarray", None) => backend!(spec, "ndarray", Device::ndarray()),
+        ("wgpu", None) => backend!(
+            spec,
+            "wgpu",
+            Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)
+        ),
+        ("tch", None) => backend!(spec, "tch", Device::libtorch()),
+        ("tch-cuda", Some(_i)) => backend!(spec, "tch", Device::libtorch_cuda(_i)),
+        ("cuda", Some(_i)) => backend!(spec, "cuda", Device::cuda(_i)),
+        _ => bail!(
+            "unknown device `{spec}`: expected one of {}",
+            DEVICES.map(|(d, _)| d).join(", ")
+        ),
+    }
+}

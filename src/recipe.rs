@@ -1,0 +1,623 @@
+//! Recipes: one TOML file describes one run. `extends = "other"` inherits another recipe
+//! (tables merge key by key), `--set section.key=value` overrides, and validation is strict:
+//! unknown keys, wrong types and inconsistent values are errors naming the key and the file.
+//!
+//! The files under `recipes/` are compiled into the binary, so `--recipe NAME` works from any
+//! directory; `--recipe PATH` reads a file.
+
+use anyhow::{Context, Result, anyhow, bail};
+use diffzoo_models::{AttentionKind, ModelConfig};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+include!(concat!(env!("OUT_DIR"), "/recipes.rs"));
+
+/// A fully resolved recipe.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Recipe {
+    /// One line saying what the run is for.
+    #[serde(default)]
+    pub description: String,
+    pub model: ModelSection,
+    pub data: DataSection,
+    #[serde(default)]
+    pub optimizer: OptimizerSection,
+    #[serde(default)]
+    pub schedule: ScheduleSection,
+    pub training: TrainingSection,
+    #[serde(default)]
+    pub checkpoint: CheckpointSection,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    pub attention: AttentionKind,
+    pub d_model: usize,
+    pub layers: usize,
+    /// The baseline's heads (DIFF V1 uses half, V2 twice as many query heads).
+    pub heads: usize,
+    /// The baseline's key/value heads; default `heads`.
+    pub kv_heads: Option<usize>,
+    pub vocab_size: usize,
+    /// Default: the data section's `seq_len`.
+    pub max_seq_len: Option<usize>,
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: f32,
+    /// Default `floor(8·d_model/3)`.
+    pub ffn_dim: Option<usize>,
+    #[serde(default)]
+    pub tie_embeddings: bool,
+    /// Standard deviation of the embedding initialisation.
+    #[serde(default = "default_embedding_std")]
+    pub embedding_std: f64,
+    /// Unset: PyTorch's `nn.Linear` default for every linear layer; set: N(0, σ²).
+    pub linear_std: Option<f64>,
+}
+
+fn default_rope_theta() -> f32 {
+    10_000.0
+}
+
+fn default_embedding_std() -> f64 {
+    0.02
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    /// `"embedded"` or a shard directory made by `diffzoo data prepare`.
+    pub corpus: String,
+    /// With the embedded corpus: `"bpe"` (a byte-level BPE of `model.vocab_size`, trained once
+    /// and cached) or a `tokenizer.json`. With shards: unset (the shards' tokenizer).
+    pub tokenizer: Option<String>,
+    pub seq_len: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerSection {
+    /// Peak learning rate.
+    pub lr: f64,
+    pub betas: [f64; 2],
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// Parameters whose path matches this regex get no weight decay (norms, embeddings, λ).
+    pub no_decay: String,
+    /// Clip the global gradient norm (all parameters together) to this; 0 disables.
+    pub grad_clip: f64,
+}
+
+impl Default for OptimizerSection {
+    fn default() -> Self {
+        Self {
+            lr: 3e-4,
+            betas: [0.9, 0.95],
+            eps: 1e-8,
+            weight_decay: 0.1,
+            no_decay: r"norm|subln|embed|lambda_[qk][12]".into(),
+            grad_clip: 1.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Decay {
+    Linear,
+    Cosine,
+    Constant,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScheduleSection {
+    pub warmup_steps: usize,
+    pub decay: Decay,
+    /// The learning rate at the last step.
+    pub min_lr: f64,
+}
+
+impl Default for ScheduleSection {
+    fn default() -> Self {
+        Self {
+            warmup_steps: 0,
+            decay: Decay::Cosine,
+            min_lr: 0.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainingSection {
+    /// Optimizer steps; give this or `tokens`.
+    pub steps: Option<usize>,
+    /// Training tokens; converted to steps of `batch_tokens`.
+    pub tokens: Option<u64>,
+    /// Tokens per optimizer step (global batch).
+    pub batch_tokens: usize,
+    /// Sequences per forward/backward pass; gradients of a step's micro-batches are averaged.
+    pub micro_batch: usize,
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    /// `f32`, `bf16` or `f16`.
+    #[serde(default = "default_dtype")]
+    pub dtype: String,
+    /// Default device, overridden by `--device`.
+    #[serde(default = "default_device")]
+    pub device: String,
+    /// Print metrics every this many steps when no dashboard is shown.
+    #[serde(default = "default_log_every")]
+    pub log_every: usize,
+}
+
+fn default_seed() -> u64 {
+    42
+}
+
+fn default_dtype() -> String {
+    "f32".into()
+}
+
+fn default_device() -> String {
+    "cpu".into()
+}
+
+fn default_log_every() -> usize {
+    10
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointSection {
+    /// Steps between checkpoints; validation runs at the same points. One Burn learner "epoch".
+    pub interval: usize,
+    /// Checkpoints kept (the newest ones).
+    pub keep: usize,
+    /// Validation micro-batches per evaluation.
+    pub eval_batches: usize,
+}
+
+impl Default for CheckpointSection {
+    fn default() -> Self {
+        Self {
+            interval: 1000,
+            keep: 2,
+            eval_batches: 16,
+        }
+    }
+}
+
+impl Recipe {
+    /// Sequences per optimizer step.
+    pub fn batch_sequences(&self) -> usize {
+        self.training.batch_tokens / self.data.seq_len
+    }
+
+    /// Micro-batches per optimizer step.
+    pub fn accumulation(&self) -> usize {
+        self.batch_sequences() / self.training.micro_batch
+    }
+
+    /// Optimizer steps of the run.
+    pub fn total_steps(&self) -> usize {
+        match (self.training.steps, self.training.tokens) {
+            (Some(steps), _) => steps,
+            (None, Some(tokens)) => tokens.div_ceil(self.training.batch_tokens as u64) as usize,
+            (None, None) => 0,
+        }
+    }
+
+    pub fn model_config(&self) -> ModelConfig {
+        let m = &self.model;
+        ModelConfig::new(
+            m.attention,
+            m.d_model,
+            m.layers,
+            m.heads,
+            m.vocab_size,
+            m.max_seq_len.unwrap_or(self.data.seq_len),
+        )
+        .with_kv_heads(m.kv_heads)
+        .with_rope_theta(m.rope_theta)
+        .with_ffn_dim(m.ffn_dim)
+        .with_tie_embeddings(m.tie_embeddings)
+        .with_embedding_std(m.embedding_std)
+        .with_linear_std(m.linear_std)
+    }
+
+    /// Consistency checks; each error names the keys involved.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        self.model_config()
+            .validate()
+            .map_err(|e| format!("model: {e}"))?;
+        let t = &self.training;
+        let seq = self.data.seq_len;
+        if seq == 0 {
+            return Err("`data.seq_len` must be positive".into());
+        }
+        if let Some(max) = self.model.max_seq_len
+            && max < seq
+        {
+            return Err(format!(
+                "`model.max_seq_len` = {max} is below `data.seq_len` = {seq}"
+            ));
+        }
+        match (t.steps, t.tokens) {
+            (Some(_), Some(_)) => {
+                return Err("give `training.steps` or `training.tokens`, not both".into());
+            }
+            (None, None) => return Err("give `training.steps` or `training.tokens`".into()),
+            _ => {}
+        }
+        if self.total_steps() == 0 {
+            return Err("the run has no steps (`training.steps` or `training.tokens` is 0)".into());
+        }
+        if t.micro_batch == 0 {
+            return Err("`training.micro_batch` must be positive".into());
+        }
+        if t.batch_tokens == 0 || !t.batch_tokens.is_multiple_of(seq) {
+            return Err(format!(
+                "`training.batch_tokens` = {} is not a positive multiple of `data.seq_len` = {seq}",
+                t.batch_tokens
+            ));
+        }
+        if !self.batch_sequences().is_multiple_of(t.micro_batch) {
+            return Err(format!(
+                "`training.batch_tokens` / `data.seq_len` = {} sequences is not divisible by `training.micro_batch` = {}",
+                self.batch_sequences(),
+                t.micro_batch
+            ));
+        }
+        if !matches!(t.dtype.as_str(), "f32" | "bf16" | "f16") {
+            return Err(format!(
+                "`training.dtype` = {:?} is not one of f32, bf16, f16",
+                t.dtype
+            ));
+        }
+        if t.log_every == 0 {
+            return Err("`training.log_every` must be positive".into());
+        }
+        let o = &self.optimizer;
+        if !(o.lr > 0.0 && o.lr.is_finite()) {
+            return Err(format!("`optimizer.lr` = {} must be positive", o.lr));
+        }
+        if o.betas.iter().any(|b| !(0.0..1.0).contains(b)) {
+            return Err(format!(
+                "`optimizer.betas` = {:?} must lie in [0, 1)",
+                o.betas
+            ));
+        }
+        if o.eps.is_nan() || o.eps <= 0.0 || o.weight_decay < 0.0 || o.grad_clip < 0.0 {
+            return Err(
+                "`optimizer.eps` must be positive, `weight_decay` and `grad_clip` non-negative"
+                    .into(),
+            );
+        }
+        regex::Regex::new(&o.no_decay)
+            .map_err(|e| format!("`optimizer.no_decay` is not a valid regex: {e}"))?;
+        let s = &self.schedule;
+        if s.warmup_steps > self.total_steps() {
+            return Err(format!(
+                "`schedule.warmup_steps` = {} exceeds the run's {} steps",
+                s.warmup_steps,
+                self.total_steps()
+            ));
+        }
+        if s.min_lr < 0.0 || s.min_lr > o.lr {
+            return Err(format!(
+                "`schedule.min_lr` = {} must lie in [0, optimizer.lr = {}]",
+                s.min_lr, o.lr
+            ));
+        }
+        let c = &self.checkpoint;
+        if c.interval == 0 || c.keep == 0 || c.eval_batches == 0 {
+            return Err("`checkpoint.interval`, `checkpoint.keep` and `checkpoint.eval_batches` must be positive".into());
+        }
+        let tok = self.data.tokenizer.as_deref();
+        if self.data.corpus == diffzoo_datasets::corpus::EMBEDDED && tok.is_none() {
+            return Err("`data.tokenizer` is required with the embedded corpus (\"bpe\" or a tokenizer.json)".into());
+        }
+        if self.data.corpus != diffzoo_datasets::corpus::EMBEDDED && tok.is_some() {
+            return Err("`data.tokenizer` must be unset for a shard directory (the shards' tokenizer is used)".into());
+        }
+        Ok(())
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("a recipe serializes")
+    }
+}
+
+/// Where a recipe came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    Builtin(&'static str),
+    File(PathBuf),
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Builtin(name) => write!(f, "recipes/{name}.toml"),
+            Self::File(path) => write!(f, "{}", path.display()),
+        }
+    }
+}
+
+/// Names of the built-in recipes.
+pub fn builtin_names() -> Vec<&'static str> {
+    BUILTIN.iter().map(|(name, _)| *name).collect()
+}
+
+/// Finds a recipe: an existing file path, else a built-in name.
+fn locate(name: &str, relative_to: Option<&Path>) -> Result<(Source, String)> {
+    let candidates = [
+        relative_to.map(|dir| dir.join(name)),
+        relative_to.map(|dir| dir.join(format!("{name}.toml"))),
+        Some(PathBuf::from(name)),
+    ];
+    for path in candidates.into_iter().flatten() {
+        if path.is_file() {
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            return Ok((Source::File(path), text));
+        }
+    }
+    let key = name
+        .trim_end_matches(".toml")
+        .trim_start_matches("recipes/");
+    BUILTIN
+        .iter()
+        .find(|(n, _)| *n == key)
+        .map(|(n, text)| (Source::Builtin(n), text.to_string()))
+        .ok_or_else(|| {
+            anyhow!(
+                "no recipe `{name}`: not a file, nor one of {}",
+                builtin_names().join(", ")
+            )
+        })
+}
+
+/// Loads `name` with its `extends` chain merged, as a TOML table.
+fn load_table(
+    name: &str,
+    relative_to: Option<&Path>,
+    depth: usize,
+) -> Result<(Source, toml::Table)> {
+    if depth > 16 {
+        bail!("recipe `{name}`: `extends` chain is deeper than 16 (a cycle?)");
+    }
+    let (source, text) = locate(name, relative_to)?;
+    let mut table: toml::Table = text.parse().map_err(|e| anyhow!("{source}: {e}"))?;
+    if let Some(parent) = table.remove("extends") {
+        let parent = parent
+            .as_str()
+            .ok_or_else(|| anyhow!("{source}: `extends` must be a string naming a recipe"))?;
+        let dir = match &source {
+            Source::File(path) => path.parent().map(Path::to_path_buf),
+            Source::Builtin(_) => None,
+        };
+        let (_, mut base) = load_table(parent, dir.as_deref(), depth + 1)
+            .with_context(|| format!("{source}: extends"))?;
+        merge(&mut base, table);
+        table = base;
+    }
+    Ok((source, table))
+}
+
+/// Merges `over` into `base`, table by table.
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (key, value) in over {
+        match (base.get_mut(&key), value) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, value) => {
+                base.insert(key, value);
+            }
+        }
+    }
+}
+
+/// Applies one `section.key=value` override; the value is parsed as TOML, else taken as a string.
+fn apply_override(table: &mut toml::Table, assignment: &str) -> Result<()> {
+    let (path, raw) = assignment
+        .split_once('=')
+        .ok_or_else(|| anyhow!("--set {assignment}: expected section.key=value"))?;
+    let value: toml::Value = format!("v = {raw}")
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()));
+    let keys: Vec<&str> = path.trim().split('.').collect();
+    let (last, sections) = keys.split_last().expect("split yields one item");
+    let mut current = table;
+    for key in sections {
+        current = current
+            .entry(key.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+            .as_table_mut()
+            .ok_or_else(|| anyhow!("--set {assignment}: `{key}` is not a table"))?;
+    }
+    current.insert(last.to_string(), value);
+    Ok(())
+}
+
+/// A recipe with its source, resolved (`extends` and overrides applied) and validated.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    /// Recipe name (file stem or built-in name).
+    pub name: String,
+    pub source: Source,
+    pub recipe: Recipe,
+}
+
+pub fn resolve(name: &str, overrides: &[String]) -> Result<Resolved> {
+    let (source, mut table) = load_table(name, None, 0)?;
+    for assignment in overrides {
+        apply_override(&mut table, assignment)?;
+    }
+    let origin = if overrides.is_empty() {
+        source.to_string()
+    } else {
+        format!("{source} (with --set)")
+    };
+    let recipe: Recipe =
+        serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+            let path = e.path().to_string();
+            if path == "." || path.is_empty() {
+                anyhow!("{origin}: {}", e.inner())
+            } else {
+                anyhow!("{origin}: `{path}`: {}", e.inner())
+            }
+        })?;
+    recipe.validate().map_err(|e| anyhow!("{origin}: {e}"))?;
+    let name = match &source {
+        Source::Builtin(n) => n.to_string(),
+        Source::File(path) => path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+    };
+    Ok(Resolved {
+        name,
+        source,
+        recipe,
+    })
+}
+
+/// Parses a resolved recipe written into a run directory.
+pub fn from_run_file(path: &Path) -> Result<Recipe> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let recipe: Recipe = toml::from_str(&text).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    Ok(recipe)
+}
+
+/// Numbers derived from a recipe, all computed (see `diffzoo_models::budget`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Derived {
+    pub params_total: u64,
+    pub params_non_embedding: u64,
+    pub params_paper: u64,
+    pub steps: usize,
+    pub tokens: u64,
+    pub batch_sequences: usize,
+    pub accumulation: usize,
+    pub training_flops_per_token: f64,
+    pub training_flops: f64,
+}
+
+impl Recipe {
+    pub fn derived(&self) -> Derived {
+        let config = self.model_config();
+        let params = config.param_count();
+        let steps = self.total_steps();
+        let tokens = steps as u64 * self.training.batch_tokens as u64;
+        let per_token = config.flops_per_token(self.data.seq_len).training;
+        Derived {
+            params_total: params.total,
+            params_non_embedding: params.non_embedding,
+            params_paper: params.paper,
+            steps,
+            tokens,
+            batch_sequences: self.batch_sequences(),
+            accumulation: self.accumulation(),
+            training_flops_per_token: per_token,
+            training_flops: per_token * tokens as f64,
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct Listed<'a> {
+    name: &'a str,
+    description: String,
+    attention: Option<String>,
+    params: Option<u64>,
+    error: Option<String>,
+}
+
+/// `diffzoo recipe list`.
+pub fn list(json: bool) -> Result<()> {
+    let rows: Vec<Listed> = builtin_names()
+        .into_iter()
+        .map(|name| match resolve(name, &[]) {
+            Ok(r) => Listed {
+                name,
+                description: r.recipe.description.clone(),
+                attention: Some(r.recipe.model.attention.to_string()),
+                params: Some(r.recipe.derived().params_total),
+                error: None,
+            },
+            Err(e) => Listed {
+                name,
+                description: String::new(),
+                attention: None,
+                params: None,
+                error: Some(format!("{e:#}")),
+            },
+        })
+        .collect();
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    for row in rows {
+        match (&row.attention, row.params, &row.error) {
+            (Some(a), Some(p), _) => {
+                println!(
+                    "{:<28} {:<12} {:>10.2}M  {}",
+                    row.name,
+                    a,
+                    p as f64 / 1e6,
+                    row.description
+                )
+            }
+            (_, _, Some(e)) => println!("{:<28} invalid: {e}", row.name),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// `diffzoo recipe show`.
+pub fn show(name: &str, overrides: &[String], json: bool) -> Result<()> {
+    let resolved = resolve(name, overrides)?;
+    let derived = resolved.recipe.derived();
+    if json {
+        let out = serde_json::json!({
+            "name": resolved.name,
+            "source": resolved.source.to_string(),
+            "recipe": resolved.recipe,
+            "derived": derived,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!(
+        "# {} ({})\n{}",
+        resolved.name,
+        resolved.source,
+        resolved.recipe.to_toml()
+    );
+    println!("# derived");
+    println!(
+        "# parameters: {} total, {} non-embedding, {} in the paper's convention",
+        derived.params_total, derived.params_non_embedding, derived.params_paper
+    );
+    println!(
+        "# {} steps × {} tokens = {} tokens; {} sequences per step in {} micro-batches",
+        derived.steps,
+        resolved.recipe.training.batch_tokens,
+        derived.tokens,
+        derived.batch_sequences,
+        derived.accumulation
+    );
+    println!(
+        "# training FLOPs: {:.3e} per token, {:.3e} for the run",
+        derived.training_flops_per_token, derived.training_flops
+    );
+    Ok(())
+}

@@ -1,0 +1,150 @@
+//! Run directories and what they hold: the resolved recipe, the tokenizer, the metrics log,
+//! checkpoints and the final model.
+//!
+//! ```text
+//! runs/tiny/
+//!   recipe.toml        the resolved recipe (what --resume checks against)
+//!   tokenizer.json     the tokenizer (its hash must match the data's)
+//!   metrics.jsonl      one JSON object per training step and per validation
+//!   checkpoint/        {model,optim,scheduler}-E.bpk every checkpoint interval E, the last K kept
+//!   model.bpk          the final model (Burn's format) and model.safetensors (same weights)
+//! ```
+
+use crate::recipe::{self, Recipe};
+use crate::train::step::Trainee;
+use anyhow::{Context, Result, anyhow, bail};
+use burn::module::Module;
+use burn::tensor::Device;
+use diffzoo_datasets::shards::{Shards, embedded_shards};
+use diffzoo_datasets::tokenizer::embedded_tokenizer;
+use diffzoo_datasets::{TextTokenizer, corpus};
+use diffzoo_models::Model;
+use std::path::{Path, PathBuf};
+
+pub const RECIPE: &str = "recipe.toml";
+pub const TOKENIZER: &str = "tokenizer.json";
+pub const METRICS: &str = "metrics.jsonl";
+pub const CHECKPOINTS: &str = "checkpoint";
+pub const FINAL_MODEL: &str = "model.bpk";
+pub const FINAL_SAFETENSORS: &str = "model.safetensors";
+
+/// The recipe's tokenizer and token shards (the embedded corpus is prepared and cached on
+/// first use).
+pub fn open_data(recipe: &Recipe) -> Result<(TextTokenizer, Shards)> {
+    let data = &recipe.data;
+    if data.corpus == corpus::EMBEDDED {
+        let cache = diffzoo_datasets::cache_dir();
+        let tokenizer = match data.tokenizer.as_deref() {
+            Some("bpe") => embedded_tokenizer(recipe.model.vocab_size, &cache)?,
+            Some(path) => TextTokenizer::from_file(Path::new(path))?,
+            None => bail!("`data.tokenizer` is required with the embedded corpus"),
+        };
+        let shards = embedded_shards(&tokenizer, &cache)?;
+        Ok((tokenizer, shards))
+    } else {
+        let shards = Shards::open(Path::new(&data.corpus))?;
+        let tokenizer = shards.tokenizer()?;
+        Ok((tokenizer, shards))
+    }
+}
+
+/// Complete checkpoints (model, optimizer and scheduler all present), oldest first.
+pub fn complete_checkpoints(run: &Path) -> Vec<usize> {
+    let dir = run.join(CHECKPOINTS);
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Vec::new();
+    };
+    let mut epochs: Vec<usize> = entries
+        .filter_map(|e| {
+            e.ok()?
+                .file_name()
+                .to_str()?
+                .strip_prefix("model-")?
+                .strip_suffix(".bpk")?
+                .parse()
+                .ok()
+        })
+        .filter(|e| {
+            ["optim", "scheduler"]
+                .iter()
+                .all(|p| dir.join(format!("{p}-{e}.bpk")).exists())
+        })
+        .collect();
+    epochs.sort_unstable();
+    epochs
+}
+
+/// A run directory's recipe.
+pub fn run_recipe(run: &Path) -> Result<Recipe> {
+    let path = run.join(RECIPE);
+    if !path.exists() {
+        bail!("{} is not a run directory (no {RECIPE})", run.display());
+    }
+    recipe::from_run_file(&path)
+}
+
+/// The run's tokenizer.
+pub fn run_tokenizer(run: &Path) -> Result<TextTokenizer> {
+    Ok(TextTokenizer::from_file(&run.join(TOKENIZER))?)
+}
+
+/// Which weights `load_model` found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Weights {
+    Final(PathBuf),
+    Checkpoint(usize, PathBuf),
+}
+
+impl std::fmt::Display for Weights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Final(path) => write!(f, "final model {}", path.display()),
+            Self::Checkpoint(e, path) => write!(f, "checkpoint {e} ({})", path.display()),
+        }
+    }
+}
+
+/// The run's final model, or its newest complete checkpoint when training has not finished.
+pub fn load_model(run: &Path, recipe: &Recipe, device: &Device) -> Result<(Model, Weights)> {
+    let config = recipe.model_config();
+    let final_path = run.join(FINAL_MODEL);
+    if final_path.exists() {
+        let model = config
+            .init(device)
+            .try_load_file(&final_path)
+            .map_err(|e| anyhow!("{}: {e}", final_path.display()))?;
+        return Ok((model, Weights::Final(final_path)));
+    }
+    let epoch = *complete_checkpoints(run).last().ok_or_else(|| {
+        anyhow!(
+            "{} has neither {FINAL_MODEL} nor a complete checkpoint",
+            run.display()
+        )
+    })?;
+    let path = run.join(CHECKPOINTS).join(format!("model-{epoch}.bpk"));
+    let trainee = Trainee {
+        model: config.init(device),
+        context: None,
+    }
+    .try_load_file(&path)
+    .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    Ok((trainee.model, Weights::Checkpoint(epoch, path)))
+}
+
+/// Writes the final model as `model.bpk` and `model.safetensors`.
+pub fn save_final(run: &Path, model: &Model) -> Result<()> {
+    use burn::store::{ModuleSnapshot, SafetensorsStore};
+    let bpk = run.join(FINAL_MODEL);
+    let tmp = run.join("model.bpk.tmp");
+    model
+        .clone()
+        .save_file(&tmp)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, &bpk).with_context(|| format!("writing {}", bpk.display()))?;
+    let safetensors = run.join(FINAL_SAFETENSORS);
+    let mut store = SafetensorsStore::from_file(&safetensors).overwrite(true);
+    model
+        .save_into(&mut store)
+        .map_err(|e| anyhow!("{}: {e}", safetensors.display()))?;
+    Ok(())
+}

@@ -1,0 +1,154 @@
+//! Gradient arithmetic with PyTorch's meaning: averaging over micro-batches and clipping by the
+//! **global** norm of all parameters together (`torch.nn.utils.clip_grad_norm_`). Burn 0.22.1's
+//! accumulation sums and its `GradientClipping::Norm` clips each tensor on its own.
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, Tensor};
+
+/// Visits every float parameter's gradient.
+struct EachGrad<'a, F: FnMut(Tensor<1>) -> Tensor<1>> {
+    grads: &'a mut GradientsParams,
+    f: F,
+}
+
+impl<F: FnMut(Tensor<1>) -> Tensor<1>> ModuleVisitor for EachGrad<'_, F> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some(grad) = self.grads.remove::<D>(param.id) {
+            let shape = grad.shape();
+            let updated = (self.f)(grad.reshape([-1])).reshape(shape);
+            self.grads.register::<D>(param.id, updated);
+        }
+    }
+}
+
+/// Applies `f` to every gradient (flattened).
+fn map_grads<M: Module>(
+    model: &M,
+    grads: &mut GradientsParams,
+    f: impl FnMut(Tensor<1>) -> Tensor<1>,
+) {
+    model.visit(&mut EachGrad { grads, f });
+}
+
+/// Multiplies every gradient by `factor`.
+pub fn scale<M: Module>(model: &M, grads: &mut GradientsParams, factor: f64) {
+    map_grads(model, grads, |g| g.mul_scalar(factor));
+}
+
+/// The L2 norm of all gradients together, computed in f32.
+pub fn global_norm<M: Module>(model: &M, grads: &mut GradientsParams) -> f64 {
+    let mut total: Option<Tensor<1>> = None;
+    map_grads(model, grads, |g| {
+        let squares = g.clone().cast(DType::F32).powf_scalar(2.0).sum();
+        total = Some(match total.take() {
+            Some(t) => t + squares,
+            None => squares,
+        });
+        g
+    });
+    total.map_or(0.0, |t| t.into_scalar::<f64>().sqrt())
+}
+
+/// Scales all gradients so that their global norm is at most `max_norm`, as PyTorch does
+/// (`coef = max_norm / (norm + 1e-6)`, applied when below 1). Returns the norm before clipping.
+pub fn clip_global_norm<M: Module>(model: &M, grads: &mut GradientsParams, max_norm: f64) -> f64 {
+    let norm = global_norm(model, grads);
+    let coef = max_norm / (norm + 1e-6);
+    if max_norm > 0.0 && coef < 1.0 {
+        scale(model, grads, coef);
+    }
+    norm
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::step::lm_loss;
+    use burn::tensor::{Device, Int, TensorData};
+    use diffzoo_datasets::LmBatch;
+    use diffzoo_models::{AttentionKind, Model, ModelConfig};
+
+    fn model(device: &Device) -> Model {
+        device.seed(1);
+        ModelConfig::new(AttentionKind::Diff, 16, 1, 2, 20, 8).init(device)
+    }
+
+    fn batch(rows: &[[i64; 5]], device: &Device) -> LmBatch {
+        let ids = |range: std::ops::Range<usize>| {
+            let v: Vec<i64> = rows
+                .iter()
+                .flat_map(|r| r[range.clone()].to_vec())
+                .collect();
+            Tensor::<2, Int>::from_data(TensorData::new(v, [rows.len(), 4]), device)
+        };
+        LmBatch {
+            inputs: ids(0..4),
+            targets: ids(1..5),
+        }
+    }
+
+    /// Every gradient, flattened, in visiting order.
+    fn all(model: &Model, grads: &mut GradientsParams) -> Vec<f32> {
+        let mut out = Vec::new();
+        map_grads(model, grads, |g| {
+            out.extend(g.clone().into_data().try_to_vec::<f32>().unwrap());
+            g
+        });
+        out
+    }
+
+    #[test]
+    fn averaged_micro_batches_equal_one_large_batch() {
+        let device = Device::flex().autodiff();
+        let model = model(&device);
+        let (a, b) = ([[1, 2, 3, 4, 5]], [[6, 7, 8, 9, 10]]);
+        let mut accumulator = burn::optim::GradientsAccumulator::new();
+        for rows in [&a, &b] {
+            let loss = lm_loss(&model, &batch(rows, &device));
+            accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+        }
+        let mut averaged = accumulator.grads();
+        scale(&model, &mut averaged, 0.5);
+        let loss = lm_loss(&model, &batch(&[a[0], b[0]], &device));
+        let mut whole = GradientsParams::from_grads(loss.backward(), &model);
+        let (x, y) = (all(&model, &mut averaged), all(&model, &mut whole));
+        assert_eq!(x.len(), y.len());
+        let diff = x
+            .iter()
+            .zip(&y)
+            .map(|(p, q)| (p - q).abs())
+            .fold(0.0f32, f32::max);
+        assert!(diff < 1e-6, "max difference {diff}");
+    }
+
+    #[test]
+    fn clipping_uses_the_global_norm_of_all_parameters() {
+        let device = Device::flex().autodiff();
+        let model = model(&device);
+        let loss = lm_loss(&model, &batch(&[[1, 2, 3, 4, 5], [5, 4, 3, 2, 1]], &device));
+        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        let before = all(&model, &mut grads);
+        let hand = before
+            .iter()
+            .map(|g| (*g as f64).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        assert!((global_norm(&model, &mut grads) - hand).abs() < 1e-5 * hand);
+        let max_norm = hand / 4.0;
+        let reported = clip_global_norm(&model, &mut grads, max_norm);
+        assert!((reported - hand).abs() < 1e-5 * hand);
+        let after = all(&model, &mut grads);
+        let coef = max_norm / (hand + 1e-6);
+        for (g0, g1) in before.iter().zip(&after) {
+            assert!(
+                (*g0 as f64 * coef - *g1 as f64).abs() < 1e-6,
+                "every tensor scaled by one factor"
+            );
+        }
+        // Below the threshold nothing changes.
+        let untouched = clip_global_norm(&model, &mut grads, hand);
+        assert!((untouched - max_norm).abs() < 1e-4 * max_norm);
+        assert_eq!(all(&model, &mut grads), after);
+    }
+}

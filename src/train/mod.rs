@@ -1,0 +1,327 @@
+//! `diffzoo train`: a recipe trained through burn-train's `SupervisedTraining` / `Learner`.
+//!
+//! A learner "epoch" is one checkpoint interval of optimizer steps; validation and checkpoints
+//! happen at its end. Each loader item is one optimizer step (all its micro-batches), so
+//! accumulation averages and clipping uses the global norm (see [`step`]), and the data cursor
+//! is a function of the step (see [`loader`]), which makes `--resume` exact.
+
+pub mod checkpoint;
+pub mod grads;
+pub mod loader;
+pub mod metrics;
+mod quiet;
+pub mod schedule;
+pub mod step;
+
+use crate::device;
+use crate::recipe::{self, Recipe};
+use crate::run;
+use anyhow::{Context, Result, anyhow, bail};
+use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+use burn::module::ParamGroup;
+use burn::optim::AdamWConfig;
+use burn::tensor::{Device, DeviceConfig, FloatDType};
+use burn::train::checkpoint::KeepLastNCheckpoints;
+use burn::train::metric::LearningRateMetric;
+use burn::train::{ExecutionStrategy, Interrupter, Learner, SupervisedTraining};
+use checkpoint::AtomicCheckpointer;
+use diffzoo_datasets::{Split, TextTokenizer, TokenWindows};
+use loader::StepLoader;
+use metrics::{MetricsLog, StatMetric};
+use schedule::{Schedule, ScheduleState};
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use step::{StepContext, Trainee};
+
+/// What `diffzoo train` was asked.
+#[derive(Debug, Clone)]
+pub struct TrainArgs {
+    pub recipe: String,
+    pub device: Option<String>,
+    pub out: Option<PathBuf>,
+    pub resume: bool,
+    pub overrides: Vec<String>,
+    /// Show Burn's dashboard (when stdout is a terminal).
+    pub dashboard: bool,
+}
+
+/// The float dtype a recipe asks for.
+pub fn float_dtype(recipe: &Recipe) -> FloatDType {
+    match recipe.training.dtype.as_str() {
+        "bf16" => FloatDType::BF16,
+        "f16" => FloatDType::F16,
+        _ => FloatDType::F32,
+    }
+}
+
+/// Sets the device's float dtype (before any tensor exists), refusing what it cannot run.
+pub fn configure_dtype(device: &mut Device, recipe: &Recipe, spec: &str) -> Result<()> {
+    let dtype = float_dtype(recipe);
+    if dtype == FloatDType::F32 {
+        return Ok(());
+    }
+    if !device.supports_dtype(dtype) {
+        bail!(
+            "device `{spec}` does not support `training.dtype = \"{}\"`; use f32 or another device",
+            recipe.training.dtype
+        );
+    }
+    device
+        .configure(DeviceConfig::default().float_dtype(dtype))
+        .map_err(|e| anyhow!("configuring {spec} for {}: {e:?}", recipe.training.dtype))
+}
+
+/// The recipe as stored in the run, with the device (which may change on resume) neutralised.
+fn identity(recipe: &Recipe) -> String {
+    let mut recipe = recipe.clone();
+    recipe.training.device = String::new();
+    recipe.to_toml()
+}
+
+/// Prepares the run directory; returns the checkpoint to resume from (0: a fresh run).
+fn prepare_run_dir(
+    dir: &Path,
+    recipe: &Recipe,
+    tokenizer: &TextTokenizer,
+    resume: bool,
+) -> Result<usize> {
+    let recipe_path = dir.join(run::RECIPE);
+    if !resume {
+        if recipe_path.exists() {
+            bail!(
+                "{} already holds a run: pass --resume to continue it, or --out for a new run",
+                dir.display()
+            );
+        }
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        std::fs::write(&recipe_path, recipe.to_toml())
+            .with_context(|| format!("writing {}", recipe_path.display()))?;
+        tokenizer.save(&dir.join(run::TOKENIZER))?;
+        return Ok(0);
+    }
+    let stored = run::run_recipe(dir)?;
+    if identity(&stored) != identity(recipe) {
+        bail!(
+            "{} was trained with another recipe; refusing to resume with this one (compare it with `diffzoo recipe show`)",
+            recipe_path.display()
+        );
+    }
+    let stored_tokenizer = run::run_tokenizer(dir)?;
+    if stored_tokenizer.hash() != tokenizer.hash() {
+        bail!(
+            "{} was trained with tokenizer {}, the data now gives tokenizer {}; refusing to resume",
+            dir.display(),
+            stored_tokenizer.hash(),
+            tokenizer.hash()
+        );
+    }
+    if dir.join(run::FINAL_MODEL).exists() {
+        bail!(
+            "{} has finished ({} exists)",
+            dir.display(),
+            run::FINAL_MODEL
+        );
+    }
+    let epoch = run::complete_checkpoints(dir)
+        .last()
+        .copied()
+        .ok_or_else(|| {
+            anyhow!(
+                "{} has no complete checkpoint to resume from",
+                dir.display()
+            )
+        })?;
+    truncate_log(&dir.join(run::METRICS), epoch * recipe.checkpoint.interval)?;
+    Ok(epoch)
+}
+
+/// Drops metrics logged after `step` (by a run killed after its last checkpoint).
+fn truncate_log(path: &Path, step: usize) -> Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let kept: String = text
+        .lines()
+        .filter(|line| {
+            serde_json::from_str::<serde_json::Value>(line)
+                .ok()
+                .and_then(|v| v.get("step")?.as_u64())
+                .is_some_and(|s| s as usize <= step)
+        })
+        .map(|line| format!("{line}\n"))
+        .collect();
+    std::fs::write(path, kept).with_context(|| format!("rewriting {}", path.display()))
+}
+
+/// The optimizer: AdamW (decoupled decay) with no decay on parameters matching `no_decay`.
+fn optimizer(recipe: &Recipe) -> Result<burn::optim::ModuleOptimizer> {
+    let o = &recipe.optimizer;
+    let adamw = |weight_decay: f64| {
+        AdamWConfig::new()
+            .with_beta_1(o.betas[0] as f32)
+            .with_beta_2(o.betas[1] as f32)
+            .with_epsilon(o.eps as f32)
+            .with_weight_decay(weight_decay as f32)
+    };
+    let no_decay =
+        ParamGroup::from_regex(&o.no_decay).map_err(|e| anyhow!("`optimizer.no_decay`: {e:?}"))?;
+    Ok(adamw(o.weight_decay)
+        .init()
+        .with_group(no_decay, adamw(0.0).build(), None))
+}
+
+pub fn run(args: &TrainArgs) -> Result<()> {
+    let resolved = recipe::resolve(&args.recipe, &args.overrides)?;
+    let recipe = &resolved.recipe;
+    let spec = args
+        .device
+        .clone()
+        .unwrap_or_else(|| recipe.training.device.clone());
+    let mut device = device::parse(&spec)?;
+    configure_dtype(&mut device, recipe, &spec)?;
+    let dir = args
+        .out
+        .clone()
+        .unwrap_or_else(|| Path::new("runs").join(&resolved.name));
+
+    let (tokenizer, shards) = run::open_data(recipe)?;
+    if tokenizer.vocab_size() > recipe.model.vocab_size {
+        bail!(
+            "{}: the tokenizer has {} tokens but `model.vocab_size` = {}",
+            resolved.source,
+            tokenizer.vocab_size(),
+            recipe.model.vocab_size
+        );
+    }
+    let seq = recipe.data.seq_len;
+    let train = Arc::new(TokenWindows::new(shards.tokens(Split::Train)?, seq));
+    let valid = Arc::new(TokenWindows::new(shards.tokens(Split::Validation)?, seq));
+    let micro = recipe.training.micro_batch;
+    if train.len() < recipe.batch_sequences() as u64 {
+        bail!(
+            "{}: the training split has {} windows of {seq} tokens, fewer than one batch ({})",
+            shards.dir.display(),
+            train.len(),
+            recipe.batch_sequences()
+        );
+    }
+    if valid.len() < micro as u64 {
+        bail!(
+            "{}: the validation split has {} windows of {seq} tokens, fewer than one micro-batch ({micro})",
+            shards.dir.display(),
+            valid.len()
+        );
+    }
+    let valid_batches = recipe
+        .checkpoint
+        .eval_batches
+        .min(valid.len() as usize / micro);
+
+    let resume_from = prepare_run_dir(&dir, recipe, &tokenizer, args.resume)?;
+    let total = recipe.total_steps();
+    let interval = recipe.checkpoint.interval;
+    let epochs = total.div_ceil(interval);
+
+    let train_device = device.clone().autodiff();
+    train_device.seed(recipe.training.seed);
+    let model = recipe.model_config().init(&train_device);
+    let dashboard = args.dashboard && std::io::stdout().is_terminal();
+    let interrupter = Interrupter::new();
+    let schedule = Schedule::from_recipe(recipe);
+    let context = Arc::new(StepContext::new(
+        schedule,
+        recipe.optimizer.grad_clip,
+        recipe.training.batch_tokens as u64,
+        total,
+        interrupter.clone(),
+        (!dashboard).then_some(recipe.training.log_every),
+        valid_batches,
+        MetricsLog::open(&dir.join(run::METRICS))
+            .with_context(|| format!("opening {}", dir.join(run::METRICS).display()))?,
+        resume_from * interval,
+    ));
+    let trainee = Trainee {
+        model,
+        context: Some(context.clone()),
+    };
+    let params = recipe.model_config().param_count();
+    println!(
+        "{}: {} model, {:.2}M parameters ({:.2}M non-embedding), {total} steps of {} tokens ({} micro-batches of {micro} × {seq}) on {spec}; run directory {}",
+        resolved.name,
+        recipe.model.attention,
+        params.total as f64 / 1e6,
+        params.non_embedding as f64 / 1e6,
+        recipe.training.batch_tokens,
+        recipe.accumulation(),
+        dir.display()
+    );
+    if resume_from > 0 {
+        println!(
+            "resuming from checkpoint {resume_from} (step {})",
+            resume_from * interval
+        );
+    }
+
+    let train_loader = StepLoader::training(
+        train,
+        recipe.training.seed,
+        recipe.batch_sequences(),
+        micro,
+        interval,
+        total,
+        resume_from + 1,
+        device.clone(),
+    );
+    let valid_loader = StepLoader::validation(valid, micro, valid_batches, device.clone());
+    let checkpoints = dir.join(run::CHECKPOINTS);
+    let mut training =
+        SupervisedTraining::new(&dir, Arc::new(train_loader), Arc::new(valid_loader))
+            .metric_train_numeric(StatMetric::loss())
+            .metric_valid_numeric(StatMetric::loss())
+            .metric_train_numeric(StatMetric::perplexity())
+            .metric_valid_numeric(StatMetric::perplexity())
+            .metric_train_numeric(LearningRateMetric::new())
+            .metric_train_numeric(StatMetric::tokens_per_sec())
+            .metric_train_numeric(StatMetric::grad_norm())
+            .with_custom_checkpointers(
+                AtomicCheckpointer::new(&checkpoints, "model"),
+                AtomicCheckpointer::new(&checkpoints, "optim"),
+                AtomicCheckpointer::new(&checkpoints, "scheduler"),
+            )
+            .with_checkpointing_strategy(KeepLastNCheckpoints::new(recipe.checkpoint.keep))
+            .with_interrupter(interrupter)
+            .with_training_strategy(ExecutionStrategy::single(train_device).into())
+            .num_epochs(epochs);
+    if recipe.model.attention == diffzoo_models::AttentionKind::Diff {
+        for layer in 0..recipe.model.layers {
+            training = training.metric_train_numeric(StatMetric::lambda(layer));
+        }
+    }
+    if !dashboard {
+        training = training.renderer(Box::new(quiet::QuietRenderer));
+    }
+    if resume_from > 0 {
+        training = training.checkpoint(resume_from);
+    }
+    let scheduler = ModuleLrScheduler::new(ScheduleState::new(schedule));
+    let result = training.launch(Learner::new(trainee, optimizer(recipe)?, scheduler));
+
+    if let Some(failure) = context.failure() {
+        bail!("{failure}");
+    }
+    if let Some(error) = result.error {
+        bail!("training failed: {error}");
+    }
+    if result.interrupted.is_some() {
+        println!(
+            "interrupted; resume with `diffzoo train --recipe {} --out {} --resume`",
+            args.recipe,
+            dir.display()
+        );
+        return Ok(());
+    }
+    run::save_final(&dir, &result.model.model)?;
+    println!("done: {}", dir.join(run::FINAL_MODEL).display());
+    Ok(())
+}

@@ -1,0 +1,279 @@
+//! One optimizer step as the learner sees it: forward and backward over every micro-batch,
+//! gradients averaged, clipped by their global norm; and validation batches.
+
+use super::grads;
+use super::loader::StepBatch;
+use super::metrics::{LogRecord, MetricsLog, StepStats};
+use super::schedule::Schedule;
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::{DType, Tensor};
+use burn::train::{InferenceStep, Interrupter, TrainOutput, TrainStep};
+use diffzoo_datasets::LmBatch;
+use diffzoo_models::Model;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// Mean next-token cross-entropy of a batch, in f32 whatever the model's dtype.
+pub fn lm_loss(model: &Model, batch: &LmBatch) -> Tensor<1> {
+    let logits = model.forward(batch.inputs.clone()).cast(DType::F32);
+    let [b, s, v] = logits.dims();
+    CrossEntropyLossConfig::new()
+        .init(&logits.device())
+        .forward(
+            logits.reshape([b * s, v]),
+            batch.targets.clone().reshape([b * s]),
+        )
+}
+
+/// Mean loss and token count over micro-batches, with an action on each micro-batch's loss.
+fn over_batches(
+    model: &Model,
+    batches: &[LmBatch],
+    mut each: impl FnMut(Tensor<1>),
+) -> (f64, usize) {
+    let (mut sum, mut tokens) = (0.0, 0);
+    for batch in batches {
+        let loss = lm_loss(model, batch);
+        sum += loss.clone().into_scalar::<f64>();
+        let [b, s] = batch.targets.dims();
+        tokens += b * s;
+        each(loss);
+    }
+    (sum / batches.len() as f64, tokens)
+}
+
+/// How a run reports: the metrics log, printing (when no dashboard is shown) and stopping on a
+/// non-finite loss. Shared by the training and validation copies of the model.
+pub struct StepContext {
+    pub schedule: Schedule,
+    pub grad_clip: f64,
+    pub batch_tokens: u64,
+    pub total_steps: usize,
+    pub interrupter: Interrupter,
+    print_every: Option<usize>,
+    valid_batches: usize,
+    state: Mutex<ContextState>,
+}
+
+struct ContextState {
+    log: MetricsLog,
+    started: Instant,
+    last_step_end: Option<Instant>,
+    /// Optimizer steps completed.
+    steps_done: usize,
+    valid: (f64, usize, usize),
+    failure: Option<String>,
+}
+
+impl std::fmt::Debug for StepContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepContext")
+    }
+}
+
+impl StepContext {
+    /// `print_every`: print a line every so many steps (when no dashboard is shown).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        schedule: Schedule,
+        grad_clip: f64,
+        batch_tokens: u64,
+        total_steps: usize,
+        interrupter: Interrupter,
+        print_every: Option<usize>,
+        valid_batches: usize,
+        log: MetricsLog,
+        steps_done: usize,
+    ) -> Self {
+        Self {
+            schedule,
+            grad_clip,
+            batch_tokens,
+            total_steps,
+            interrupter,
+            print_every,
+            valid_batches,
+            state: Mutex::new(ContextState {
+                log,
+                started: Instant::now(),
+                last_step_end: None,
+                steps_done,
+                valid: (0.0, 0, 0),
+                failure: None,
+            }),
+        }
+    }
+
+    /// Why training stopped early, if it did.
+    pub fn failure(&self) -> Option<String> {
+        self.state.lock().expect("context lock").failure.clone()
+    }
+
+    fn train_step(&self, step: usize, stats: &StepStats, started: Instant) -> StepStats {
+        let mut state = self.state.lock().expect("context lock");
+        let now = Instant::now();
+        let since = state.last_step_end.unwrap_or(started);
+        state.last_step_end = Some(now);
+        state.steps_done = step + 1;
+        let stats = StepStats {
+            tokens_per_sec: Some(stats.tokens as f64 / (now - since).as_secs_f64().max(1e-9)),
+            ..stats.clone()
+        };
+        let record = LogRecord {
+            split: "train",
+            step: step + 1,
+            tokens_seen: (step as u64 + 1) * self.batch_tokens,
+            loss: stats.loss,
+            perplexity: stats.loss.exp(),
+            lr: Some(self.schedule.lr(step)),
+            grad_norm: stats.grad_norm,
+            tokens_per_sec: stats.tokens_per_sec,
+            lambda: stats.lambdas.clone(),
+            elapsed_sec: state.started.elapsed().as_secs_f64(),
+        };
+        if let Err(e) = state.log.write(&record) {
+            self.interrupter
+                .stop(Some(&format!("cannot write the metrics log: {e}")));
+        }
+        if let Some(every) = self.print_every
+            && ((step + 1).is_multiple_of(every) || step + 1 == self.total_steps || step == 0)
+        {
+            let lambdas = match stats.lambdas.as_slice() {
+                [] => String::new(),
+                l => format!(
+                    " | λ {}",
+                    l.iter()
+                        .map(|x| format!("{x:.3}"))
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                ),
+            };
+            println!(
+                "step {:>6}/{} | loss {:.4} | ppl {:>8.2} | lr {:.3e} | grad norm {:.3} | {:.0} tok/s{lambdas}",
+                step + 1,
+                self.total_steps,
+                stats.loss,
+                stats.loss.exp(),
+                self.schedule.lr(step),
+                stats.grad_norm.unwrap_or(f64::NAN),
+                stats.tokens_per_sec.unwrap_or(0.0),
+            );
+        }
+        if !(stats.loss.is_finite() && stats.grad_norm.is_none_or(f64::is_finite)) {
+            let reason = format!(
+                "non-finite loss or gradient at step {} (loss {}, gradient norm {:?}); stopped, the last checkpoint is kept",
+                step + 1,
+                stats.loss,
+                stats.grad_norm
+            );
+            state.failure = Some(reason.clone());
+            self.interrupter.stop(Some(&reason));
+        }
+        stats
+    }
+
+    fn valid_batch(&self, stats: &StepStats) {
+        let mut state = self.state.lock().expect("context lock");
+        let (sum, tokens, batches) = state.valid;
+        state.valid = (
+            sum + stats.loss * stats.tokens as f64,
+            tokens + stats.tokens,
+            batches + 1,
+        );
+        if batches + 1 < self.valid_batches {
+            return;
+        }
+        let (sum, tokens, _) = std::mem::take(&mut state.valid);
+        let loss = sum / tokens as f64;
+        let step = state.steps_done;
+        let record = LogRecord {
+            split: "validation",
+            step,
+            tokens_seen: step as u64 * self.batch_tokens,
+            loss,
+            perplexity: loss.exp(),
+            lr: None,
+            grad_norm: None,
+            tokens_per_sec: None,
+            lambda: Vec::new(),
+            elapsed_sec: state.started.elapsed().as_secs_f64(),
+        };
+        if let Err(e) = state.log.write(&record) {
+            self.interrupter
+                .stop(Some(&format!("cannot write the metrics log: {e}")));
+        }
+        if self.print_every.is_some() {
+            println!(
+                "step {step:>6}/{} | validation loss {loss:.4} | ppl {:.2}",
+                self.total_steps,
+                loss.exp()
+            );
+        }
+    }
+}
+
+/// The model as the learner trains it: the LM plus the run's reporting context.
+#[derive(Module, Debug)]
+pub struct Trainee {
+    pub model: Model,
+    #[module(skip)]
+    pub context: Option<Arc<StepContext>>,
+}
+
+impl Trainee {
+    fn context(&self) -> &StepContext {
+        self.context.as_deref().expect("a training context")
+    }
+}
+
+impl TrainStep for Trainee {
+    type Input = StepBatch;
+    type Output = StepStats;
+
+    fn step(&self, item: StepBatch) -> TrainOutput<StepStats> {
+        let started = Instant::now();
+        let context = self.context();
+        let mut accumulator = GradientsAccumulator::new();
+        let (loss, tokens) = over_batches(&self.model, &item.micro, |loss| {
+            accumulator.accumulate(
+                &self.model,
+                GradientsParams::from_grads(loss.backward(), &self.model),
+            );
+        });
+        let mut grads = accumulator.grads();
+        // Burn's accumulation sums; PyTorch users expect the mean over micro-batches.
+        grads::scale(&self.model, &mut grads, 1.0 / item.micro.len() as f64);
+        let grad_norm = grads::clip_global_norm(&self.model, &mut grads, context.grad_clip);
+        let stats = StepStats {
+            loss,
+            tokens,
+            grad_norm: Some(grad_norm),
+            tokens_per_sec: None,
+            lambdas: self.model.lambdas(),
+        };
+        let stats = context.train_step(item.step, &stats, started);
+        if context.interrupter.should_stop() {
+            // Never apply a non-finite update.
+            grads = GradientsParams::new();
+        }
+        TrainOutput { grads, item: stats }
+    }
+}
+
+impl InferenceStep for Trainee {
+    type Input = StepBatch;
+    type Output = StepStats;
+
+    fn step(&self, item: StepBatch) -> StepStats {
+        let (loss, tokens) = over_batches(&self.model, &item.micro, |_| {});
+        let stats = StepStats {
+            loss,
+            tokens,
+            ..Default::default()
+        };
+        self.context().valid_batch(&stats);
+        stats
+    }
+}

@@ -1,0 +1,432 @@
+//! End-to-end tests of the `diffzoo` binary on the `micro` recipes: training, checkpoints,
+//! exact resume, generation, evaluation, data preparation and every recipe validation error.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// Runs the binary with a shared cache (tokenizers and shards are made once per test run).
+fn diffzoo(args: &[&str]) -> Output {
+    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("diffzoo-cache");
+    Command::new(env!("CARGO_BIN_EXE_diffzoo"))
+        .args(args)
+        .env("DIFFZOO_CACHE", cache)
+        .output()
+        .expect("the binary runs")
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = diffzoo(args);
+    assert!(
+        out.status.success(),
+        "diffzoo {args:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 output")
+}
+
+fn fails(args: &[&str]) -> String {
+    let out = diffzoo(args);
+    assert!(!out.status.success(), "diffzoo {args:?} should fail");
+    String::from_utf8(out.stderr).expect("utf-8 output")
+}
+
+fn records(run: &Path, split: &str) -> Vec<Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .expect("metrics.jsonl")
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("a JSON line"))
+        .filter(|r| r["split"] == split)
+        .collect()
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+#[test]
+fn train_checkpoint_resume_generate_and_evaluate() {
+    let tmp = tempfile::tempdir().unwrap();
+    let whole = tmp.path().join("whole");
+    let stdout = ok(&["train", "--recipe", "micro", "--out", path(&whole)]);
+    assert!(stdout.contains("step     20/20"), "{stdout}");
+    assert!(stdout.contains("validation loss"), "{stdout}");
+    for file in [
+        "recipe.toml",
+        "tokenizer.json",
+        "model.bpk",
+        "model.safetensors",
+        "checkpoint/model-2.bpk",
+    ] {
+        assert!(whole.join(file).exists(), "{file}");
+    }
+    let train = records(&whole, "train");
+    assert_eq!(train.len(), 20);
+    assert_eq!(
+        train
+            .iter()
+            .map(|r| r["step"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        (1..=20).collect::<Vec<_>>()
+    );
+    assert!(
+        train
+            .iter()
+            .all(|r| r["lambda"].as_array().unwrap().len() == 2),
+        "λ of both layers logged"
+    );
+    let valid = records(&whole, "validation");
+    assert_eq!(
+        valid
+            .iter()
+            .map(|r| r["step"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        vec![10, 20]
+    );
+    let first = train[0]["loss"].as_f64().unwrap();
+    let last = train[19]["loss"].as_f64().unwrap();
+    assert!(last < first, "loss goes down: {first} → {last}");
+
+    // A run killed after its first checkpoint: a second copy of the run loses its final model,
+    // its second checkpoint and the log past step 12 (as if killed at step 12).
+    let killed = tmp.path().join("killed");
+    ok(&["train", "--recipe", "micro", "--out", path(&killed)]);
+    for file in [
+        "model.bpk",
+        "model.safetensors",
+        "checkpoint/model-2.bpk",
+        "checkpoint/optim-2.bpk",
+        "checkpoint/scheduler-2.bpk",
+    ] {
+        std::fs::remove_file(killed.join(file)).unwrap();
+    }
+    let log = std::fs::read_to_string(killed.join("metrics.jsonl")).unwrap();
+    let kept: Vec<&str> = log
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+                <= 12
+        })
+        .collect();
+    std::fs::write(killed.join("metrics.jsonl"), kept.join("\n") + "\n").unwrap();
+
+    let stdout = ok(&[
+        "train",
+        "--recipe",
+        "micro",
+        "--out",
+        path(&killed),
+        "--resume",
+    ]);
+    assert!(
+        stdout.contains("resuming from checkpoint 1 (step 10)"),
+        "{stdout}"
+    );
+    let resumed = records(&killed, "train");
+    assert_eq!(resumed.len(), 20, "steps 11 and 12 are logged once");
+    for (a, b) in train.iter().zip(&resumed) {
+        assert_eq!(a["step"], b["step"]);
+        let (x, y) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
+        assert!(
+            (x - y).abs() <= 1e-5 * x.abs(),
+            "step {}: {x} vs {y}",
+            a["step"]
+        );
+        assert_eq!(a["lr"], b["lr"]);
+    }
+    let v2 = records(&killed, "validation");
+    assert_eq!(v2.len(), 2);
+    assert!((v2[1]["loss"].as_f64().unwrap() - valid[1]["loss"].as_f64().unwrap()).abs() < 1e-5);
+
+    // Refusals: a finished run, another recipe, an existing run without --resume.
+    assert!(
+        fails(&[
+            "train",
+            "--recipe",
+            "micro",
+            "--out",
+            path(&killed),
+            "--resume"
+        ])
+        .contains("has finished")
+    );
+    let other = fails(&[
+        "train",
+        "--recipe",
+        "micro",
+        "--out",
+        path(&whole),
+        "--resume",
+        "--set",
+        "optimizer.lr=0.01",
+    ]);
+    assert!(other.contains("another recipe"), "{other}");
+    assert!(
+        fails(&["train", "--recipe", "micro", "--out", path(&whole)])
+            .contains("already holds a run")
+    );
+
+    // Generation and evaluation on the produced run.
+    let generated: Value = serde_json::from_str(&ok(&[
+        "generate",
+        "--run",
+        path(&whole),
+        "--prompt",
+        "ROMEO:",
+        "--max-tokens",
+        "12",
+        "--seed",
+        "3",
+        "--json",
+    ]))
+    .unwrap();
+    assert_eq!(generated["tokens"].as_array().unwrap().len(), 12);
+    assert!(
+        generated["weights"]
+            .as_str()
+            .unwrap()
+            .contains("final model")
+    );
+    let again: Value = serde_json::from_str(&ok(&[
+        "generate",
+        "--run",
+        path(&whole),
+        "--prompt",
+        "ROMEO:",
+        "--max-tokens",
+        "12",
+        "--seed",
+        "3",
+        "--json",
+    ]))
+    .unwrap();
+    assert_eq!(
+        generated["completion"], again["completion"],
+        "deterministic by seed"
+    );
+    let ppl: Value = serde_json::from_str(&ok(&[
+        "eval",
+        "ppl",
+        "--run",
+        path(&whole),
+        "--max-batches",
+        "4",
+        "--json",
+    ]))
+    .unwrap();
+    let loss = ppl["loss"].as_f64().unwrap();
+    assert!(loss.is_finite() && loss < (512f64).ln(), "{loss}");
+    assert!((ppl["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-6 * loss.exp());
+}
+
+#[test]
+fn every_variant_trains() {
+    let tmp = tempfile::tempdir().unwrap();
+    for recipe in ["micro-transformer", "micro-diff-v2"] {
+        let run = tmp.path().join(recipe);
+        ok(&[
+            "train",
+            "--recipe",
+            recipe,
+            "--out",
+            path(&run),
+            "--set",
+            "training.steps=10",
+        ]);
+        let train = records(&run, "train");
+        assert_eq!(train.len(), 10);
+        assert!(
+            train.iter().all(|r| r.get("lambda").is_none()),
+            "{recipe} has no layer λ"
+        );
+        assert!(run.join("model.bpk").exists());
+    }
+}
+
+#[test]
+fn prepared_shards_train_a_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("texts");
+    std::fs::create_dir_all(input.join("more")).unwrap();
+    let line = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife. ";
+    for i in 0..30 {
+        std::fs::write(input.join(format!("doc{i}.txt")), line.repeat(5 + i)).unwrap();
+    }
+    let jsonl: String = (0..20)
+        .map(|i| format!("{{\"text\": \"{}\"}}\n", line.repeat(3 + i)))
+        .collect();
+    std::fs::write(input.join("more/docs.jsonl"), jsonl + "not json\n").unwrap();
+    let shards = tmp.path().join("shards");
+    let manifest: Value = serde_json::from_str(&ok(&[
+        "data",
+        "prepare",
+        "--input",
+        path(&input),
+        "--vocab-size",
+        "300",
+        "--out",
+        path(&shards),
+        "--validation-every",
+        "5",
+        "--json",
+    ]))
+    .unwrap();
+    assert_eq!(
+        manifest["train"]["documents"].as_u64().unwrap()
+            + manifest["validation"]["documents"].as_u64().unwrap(),
+        50
+    );
+    assert_eq!(manifest["skipped"][0]["line"], 21);
+    assert!(shards.join("manifest.json").exists());
+
+    let recipe = tmp.path().join("on-shards.toml");
+    let text = format!(
+        "extends = \"micro\"\n[model]\nvocab_size = 300\n[data]\ncorpus = {:?}\nseq_len = 32\n[training]\nsteps = 4\nbatch_tokens = 256\nmicro_batch = 4\n[checkpoint]\ninterval = 2\neval_batches = 1\n",
+        path(&shards)
+    );
+    std::fs::write(&recipe, text).unwrap();
+    // `micro` names a tokenizer; shard recipes must not: the error says so.
+    let err = fails(&["recipe", "show", path(&recipe)]);
+    assert!(
+        err.contains("`data.tokenizer` must be unset for a shard directory"),
+        "{err}"
+    );
+    let standalone = std::fs::read_to_string(recipes_dir().join("micro.toml"))
+        .unwrap()
+        .replace("tokenizer = \"bpe\"\n", "");
+    let standalone = standalone
+        .replace(
+            "corpus = \"embedded\"",
+            &format!("corpus = {:?}", path(&shards)),
+        )
+        .replace("vocab_size = 512", "vocab_size = 300")
+        .replace("steps = 20", "steps = 4");
+    std::fs::write(&recipe, standalone).unwrap();
+    let run = tmp.path().join("run");
+    ok(&["train", "--recipe", path(&recipe), "--out", path(&run)]);
+    assert_eq!(records(&run, "train").len(), 4);
+}
+
+fn recipes_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("recipes")
+}
+
+#[test]
+fn recipes_list_and_show() {
+    let list: Value = serde_json::from_str(&ok(&["recipe", "list", "--json"])).unwrap();
+    let names: Vec<&str> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap())
+        .collect();
+    for name in [
+        "tiny",
+        "tiny-transformer",
+        "tiny-diff-v2",
+        "micro",
+        "micro-transformer",
+        "micro-diff-v2",
+    ] {
+        assert!(names.contains(&name), "{name} in {names:?}");
+    }
+    assert!(
+        list.as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["error"].is_null()),
+        "every built-in recipe is valid"
+    );
+    let show: Value =
+        serde_json::from_str(&ok(&["recipe", "show", "tiny-transformer", "--json"])).unwrap();
+    assert_eq!(show["recipe"]["model"]["attention"], "transformer");
+    assert_eq!(
+        show["recipe"]["model"]["d_model"], 256,
+        "inherited from tiny"
+    );
+    assert_eq!(show["derived"]["accumulation"], 2);
+    let set: Value = serde_json::from_str(&ok(&[
+        "recipe",
+        "show",
+        "micro",
+        "--set",
+        "model.layers=3",
+        "--json",
+    ]))
+    .unwrap();
+    assert_eq!(set["recipe"]["model"]["layers"], 3);
+}
+
+#[test]
+fn recipe_errors_name_the_key_and_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = std::fs::read_to_string(recipes_dir().join("micro.toml")).unwrap();
+    let cases: [(&str, &str, &str); 9] = [
+        (
+            "unknown",
+            "laers = 2\n",
+            "`model.laers`: unknown field `laers`",
+        ),
+        ("wrongtype", "", "`model.d_model`: invalid type"),
+        ("heads", "", "`heads` = 3 does not divide `d_model` = 32"),
+        (
+            "kvheads",
+            "kv_heads = 3\n",
+            "`kv_heads` = 3 does not divide `heads` = 4",
+        ),
+        ("oddheads", "", "needs even `heads` and `kv_heads`"),
+        (
+            "microbatch",
+            "",
+            "is not divisible by `training.micro_batch` = 3",
+        ),
+        ("seq", "", "is not a positive multiple of `data.seq_len`"),
+        ("dtype", "", "`training.dtype` = \"f8\""),
+        ("section", "", "`trainin`: unknown field `trainin`"),
+    ];
+    for (name, model_extra, expected) in cases {
+        let mut text = base.replace("[model]\n", &format!("[model]\n{model_extra}"));
+        match name {
+            "wrongtype" => text = text.replace("d_model = 32", "d_model = \"wide\""),
+            "heads" => text = text.replace("heads = 4", "heads = 3"),
+            "oddheads" => {
+                text = text
+                    .replace("d_model = 32", "d_model = 36")
+                    .replace("heads = 4", "heads = 6")
+                    .replace("attention = \"diff\"", "attention = \"diff\"\nkv_heads = 3")
+            }
+            "microbatch" => text = text.replace("micro_batch = 4", "micro_batch = 3"),
+            "seq" => text = text.replace("batch_tokens = 256", "batch_tokens = 250"),
+            "dtype" => text = text.replace("[training]\n", "[training]\ndtype = \"f8\"\n"),
+            "section" => text = text.replace("[training]", "[trainin]"),
+            _ => {}
+        }
+        let file = tmp.path().join(format!("{name}.toml"));
+        std::fs::write(&file, text).unwrap();
+        let err = fails(&["recipe", "show", path(&file)]);
+        assert!(
+            err.contains(path(&file)),
+            "{name}: the file is named: {err}"
+        );
+        assert!(err.contains(expected), "{name}: {err}");
+    }
+    let err = fails(&["recipe", "show", "micro", "--set", "model.bogus=1"]);
+    assert!(
+        err.contains("`model.bogus`") && err.contains("--set"),
+        "{err}"
+    );
+    assert!(fails(&["recipe", "show", "nonexistent"]).contains("no recipe `nonexistent`"));
+    let err = fails(&[
+        "train",
+        "--recipe",
+        "micro",
+        "--device",
+        "wgpu",
+        "--out",
+        path(&tmp.path().join("x")),
+    ]);
+    assert!(err.contains("--features wgpu"), "{err}");
+}
