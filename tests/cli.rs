@@ -430,3 +430,33 @@ fn recipe_errors_name_the_key_and_the_file() {
     ]);
     assert!(err.contains("--features wgpu"), "{err}");
 }
+
+#[test]
+fn a_non_finite_loss_stops_training_naming_the_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("exploding");
+    let err = fails(&[
+        "train",
+        "--recipe",
+        "micro",
+        "--out",
+        path(&run),
+        "--set",
+        "optimizer.lr=1e30",
+        "--set",
+        "schedule.min_lr=0",
+        "--set",
+        "optimizer.grad_clip=0",
+    ]);
+    assert!(err.contains("non-finite loss or gradient at step"), "{err}");
+    assert!(
+        !run.join("model.bpk").exists(),
+        "no final model from a diverged run"
+    );
+    let train = records(&run, "train");
+    let last = train.last().expect("the failing step is logged");
+    assert!(
+        !last["loss"].as_f64().is_some_and(f64::is_finite)
+            || !last["grad_norm"].as_f64().is_some_and(f64::is_finite)
+    );
+}

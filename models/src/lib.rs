@@ -11,18 +11,21 @@
 //! | DIFF V1, eq. 1–3, λ, λ_init, subln | [`attention::DiffAttention`] |
 //! | DIFF V2 | [`attention::DiffV2Attention`] |
 //! | parameter counts, FLOPs, KV cache | [`budget`] |
+//! | analysis statistics (Table 5 magnitudes, λ) | [`analysis`] |
 //!
 //! ```text
 //! ModelConfig::new(AttentionKind::Diff, d_model, layers, heads, vocab, max_seq_len).init(&device)
 //!     -> Model::forward(tokens [B, S]) -> logits [B, S, vocab]
 //! ```
 
+pub mod analysis;
 pub mod attention;
 pub mod budget;
 pub mod config;
 pub mod feed_forward;
 pub mod model;
 
+pub use analysis::{AbsStats, LayerStats};
 pub use attention::{Attention, AttentionProbe};
 pub use budget::{FlopsPerToken, ParamCount};
 pub use config::{AttentionKind, ModelConfig, lambda_init};

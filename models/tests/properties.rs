@@ -310,3 +310,38 @@ fn invalid_configurations_name_the_field() {
             .contains("diff2")
     );
 }
+
+#[test]
+fn statistics_count_causal_logits_and_report_lambda() {
+    let stats =
+        diffzoo_models::AbsStats::of_values(vec![-3.0, 1.0, f32::NEG_INFINITY, 2.0, -0.5], 2);
+    assert_eq!(stats.count, 4);
+    assert_eq!(stats.top, vec![3.0, 2.0]);
+    assert_eq!(stats.median, 2.0);
+    let device = device();
+    for attention in AttentionKind::ALL {
+        device.seed(5);
+        let model = config(attention, 8, 4).init(&device);
+        let probe = model.forward_probe(tokens(2, 7, 61, 3, &device));
+        let stats = probe.stats(10);
+        assert_eq!(stats.len(), 3);
+        for (layer, s) in stats.iter().enumerate() {
+            let maps = probe.layers[layer].attention.logits.dims()[1];
+            assert_eq!(
+                s.logits.count,
+                2 * maps * 7 * 8 / 2,
+                "{attention}: only causal entries"
+            );
+            assert_eq!(s.hidden.count, 2 * 7 * 48);
+            assert_eq!(s.logits.top.len(), 10);
+            assert!(s.logits.top.windows(2).all(|w| w[0] >= w[1]));
+            match attention {
+                AttentionKind::Transformer => assert_eq!(s.lambda_mean, None),
+                AttentionKind::Diff => {
+                    assert!((s.lambda_mean.unwrap() - model.lambdas()[layer]).abs() < 1e-6)
+                }
+                AttentionKind::DiffV2 => assert!((0.0..1.0).contains(&s.lambda_mean.unwrap())),
+            }
+        }
+    }
+}
