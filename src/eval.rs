@@ -8,14 +8,20 @@ use diffzoo_datasets::{LmBatcher, Shards, Split, TokenWindows};
 use serde::Serialize;
 use std::path::PathBuf;
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct PplArgs {
+    /// Run directory.
+    #[arg(long)]
     pub run: PathBuf,
-    /// A shard directory; default: the run's own data.
+    /// A shard directory (default: the run's own data).
+    #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Stop after this many batches (default: the whole validation split).
+    /// Evaluate at most this many micro-batches (default: the whole validation split).
+    #[arg(long)]
     pub max_batches: Option<usize>,
+    #[arg(long, default_value = "cpu")]
     pub device: String,
+    #[arg(long)]
     pub json: bool,
 }
 

@@ -7,16 +7,26 @@ use burn::tensor::{Int, Tensor, TensorData};
 use serde::Serialize;
 use std::path::PathBuf;
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct GenerateArgs {
+    /// Run directory.
+    #[arg(long)]
     pub run: PathBuf,
+    #[arg(long, default_value = "")]
     pub prompt: String,
+    #[arg(long, default_value_t = 200)]
     pub max_tokens: usize,
-    /// 0 means greedy decoding.
+    /// Sampling temperature; 0 decodes greedily.
+    #[arg(long, default_value_t = 0.8)]
     pub temperature: f64,
+    /// Sample among the k most likely tokens only.
+    #[arg(long)]
     pub top_k: Option<usize>,
+    #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    #[arg(long, default_value = "cpu")]
     pub device: String,
+    #[arg(long)]
     pub json: bool,
 }
 

@@ -170,19 +170,22 @@ fn train_checkpoint_resume_generate_and_evaluate() {
     );
 
     // Generation and evaluation on the produced run.
-    let generated: Value = serde_json::from_str(&ok(&[
-        "generate",
-        "--run",
-        path(&whole),
-        "--prompt",
-        "ROMEO:",
-        "--max-tokens",
-        "12",
-        "--seed",
-        "3",
-        "--json",
-    ]))
-    .unwrap();
+    let generate = || -> Value {
+        let args = [
+            "generate",
+            "--run",
+            path(&whole),
+            "--prompt",
+            "ROMEO:",
+            "--max-tokens",
+            "12",
+            "--seed",
+            "3",
+            "--json",
+        ];
+        serde_json::from_str(&ok(&args)).unwrap()
+    };
+    let generated = generate();
     assert_eq!(generated["tokens"].as_array().unwrap().len(), 12);
     assert!(
         generated["weights"]
@@ -190,21 +193,9 @@ fn train_checkpoint_resume_generate_and_evaluate() {
             .unwrap()
             .contains("final model")
     );
-    let again: Value = serde_json::from_str(&ok(&[
-        "generate",
-        "--run",
-        path(&whole),
-        "--prompt",
-        "ROMEO:",
-        "--max-tokens",
-        "12",
-        "--seed",
-        "3",
-        "--json",
-    ]))
-    .unwrap();
     assert_eq!(
-        generated["completion"], again["completion"],
+        generated["completion"],
+        generate()["completion"],
         "deterministic by seed"
     );
     let ppl: Value = serde_json::from_str(&ok(&[

@@ -35,15 +35,26 @@ use std::sync::Arc;
 use step::{StepContext, Trainee};
 
 /// What `diffzoo train` was asked.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct TrainArgs {
+    /// A built-in recipe name (`diffzoo recipe list`) or a TOML file.
+    #[arg(long)]
     pub recipe: String,
+    /// Device, e.g. cpu, flex, ndarray, wgpu, tch, tch-cuda:0, cuda:0 (default: the recipe's).
+    #[arg(long)]
     pub device: Option<String>,
+    /// Run directory (default: runs/<recipe name>).
+    #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Continue the run in the run directory from its newest complete checkpoint.
+    #[arg(long)]
     pub resume: bool,
+    /// Override a recipe value, e.g. --set model.layers=4 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
     pub overrides: Vec<String>,
-    /// Show Burn's dashboard (when stdout is a terminal).
-    pub dashboard: bool,
+    /// Print metric lines instead of the dashboard, even on a terminal.
+    #[arg(long)]
+    pub no_dashboard: bool,
 }
 
 /// The float dtype a recipe asks for.
@@ -226,7 +237,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let train_device = device.clone().autodiff();
     train_device.seed(recipe.training.seed);
     let model = recipe.model_config().init(&train_device);
-    let dashboard = args.dashboard && std::io::stdout().is_terminal();
+    let dashboard = !args.no_dashboard && std::io::stdout().is_terminal();
     let interrupter = Interrupter::new();
     let schedule = Schedule::from_recipe(recipe);
     let context = Arc::new(StepContext::new(
