@@ -114,12 +114,10 @@ mod tests {
         let mut whole = GradientsParams::from_grads(loss.backward(), &model);
         let (x, y) = (all(&model, &mut averaged), all(&model, &mut whole));
         assert_eq!(x.len(), y.len());
-        let diff = x
-            .iter()
-            .zip(&y)
-            .map(|(p, q)| (p - q).abs())
-            .fold(0.0f32, f32::max);
-        assert!(diff < 1e-6, "max difference {diff}");
+        // Equal up to f32 summation order (Flex's kernels may split sums differently).
+        for (p, q) in x.iter().zip(&y) {
+            assert!((p - q).abs() <= 1e-5 + 1e-4 * q.abs(), "{p} vs {q}");
+        }
     }
 
     #[test]
