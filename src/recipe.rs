@@ -151,6 +151,9 @@ pub struct TrainingSection {
     /// Print metrics every this many steps when no dashboard is shown.
     #[serde(default = "default_log_every")]
     pub log_every: usize,
+    /// Start from these weights (a run directory, or a model or checkpoint file) instead of a
+    /// fresh initialisation; the optimizer and schedule start anew.
+    pub init_from: Option<String>,
 }
 
 fn default_seed() -> u64 {
@@ -575,7 +578,7 @@ pub fn list(json: bool) -> Result<()> {
                     row.description
                 )
             }
-            (_, _, Some(e)) => println!("{:<28} invalid: {e}", row.name),
+            (_, _, Some(e)) => println!("{:<36} invalid: {e}", row.name),
             _ => {}
         }
     }
@@ -620,4 +623,73 @@ pub fn show(name: &str, overrides: &[String], json: bool) -> Result<()> {
         derived.training_flops_per_token, derived.training_flops
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paper_sizes_match_their_labels_within_one_percent() {
+        let labels = [
+            ("830m", 0.834e9),
+            ("1.4b", 1.413e9),
+            ("2.8b", 2.773e9),
+            ("6.8b", 6.853e9),
+            ("13.1b", 13.096e9),
+        ];
+        for (size, label) in labels {
+            for variant in ["diff", "transformer"] {
+                let name = format!("paper/size-scaling/{size}-{variant}");
+                let recipe = resolve(&name, &[]).unwrap().recipe;
+                let paper = recipe.derived().params_paper as f64;
+                assert!(
+                    (paper - label).abs() / label < 0.01,
+                    "{name}: {paper} vs {label}"
+                );
+                assert_eq!(recipe.total_steps(), 40_000);
+                assert_eq!(
+                    recipe.training.batch_tokens * recipe.total_steps(),
+                    10_485_760_000
+                );
+            }
+            let diff = resolve(&format!("paper/size-scaling/{size}-diff"), &[])
+                .unwrap()
+                .recipe;
+            let head_dim = diff.model.d_model / diff.model.heads;
+            assert_eq!(head_dim, if size == "830m" { 96 } else { 128 });
+        }
+    }
+
+    #[test]
+    fn paper_3b_recipes_follow_appendix_d() {
+        let r = resolve("paper/3b/diff-360b", &[]).unwrap().recipe;
+        assert_eq!(
+            (
+                r.model.d_model,
+                r.model.layers,
+                r.model.heads,
+                r.model.ffn_dim
+            ),
+            (3072, 28, 24, Some(8192))
+        );
+        assert_eq!(r.total_steps(), 85_831, "360B tokens of 4,194,304");
+        assert_eq!(
+            r.checkpoint.interval * r.training.batch_tokens,
+            40_001_077_248,
+            "every 40B tokens"
+        );
+        let t = resolve("paper/3b/diff-1t", &[]).unwrap().recipe;
+        assert_eq!(t.total_steps(), 238_419);
+        let x = resolve("paper/3b/diff-64k", &[]).unwrap().recipe;
+        assert_eq!(
+            (x.data.seq_len, x.model.rope_theta, x.optimizer.lr),
+            (65_536, 640_000.0, 8e-5)
+        );
+        assert_eq!(x.total_steps(), 358, "1.5B tokens");
+        assert_eq!(
+            x.training.init_from.as_deref(),
+            Some("runs/paper/3b/diff-360b")
+        );
+    }
 }

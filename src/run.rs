@@ -18,7 +18,7 @@ use burn::tensor::Device;
 use diffzoo_datasets::shards::{Shards, embedded_shards};
 use diffzoo_datasets::tokenizer::embedded_tokenizer;
 use diffzoo_datasets::{TextTokenizer, corpus};
-use diffzoo_models::Model;
+use diffzoo_models::{Model, ModelConfig};
 use std::path::{Path, PathBuf};
 
 pub const RECIPE: &str = "recipe.toml";
@@ -106,29 +106,52 @@ impl std::fmt::Display for Weights {
 
 /// The run's final model, or its newest complete checkpoint when training has not finished.
 pub fn load_model(run: &Path, recipe: &Recipe, device: &Device) -> Result<(Model, Weights)> {
-    let config = recipe.model_config();
-    let final_path = run.join(FINAL_MODEL);
-    if final_path.exists() {
-        let model = config
-            .init(device)
-            .try_load_file(&final_path)
-            .map_err(|e| anyhow!("{}: {e}", final_path.display()))?;
-        return Ok((model, Weights::Final(final_path)));
-    }
-    let epoch = *complete_checkpoints(run).last().ok_or_else(|| {
-        anyhow!(
-            "{} has neither {FINAL_MODEL} nor a complete checkpoint",
-            run.display()
-        )
-    })?;
-    let path = run.join(CHECKPOINTS).join(format!("model-{epoch}.bpk"));
-    let trainee = Trainee {
-        model: config.init(device),
-        context: None,
-    }
-    .try_load_file(&path)
-    .map_err(|e| anyhow!("{}: {e}", path.display()))?;
-    Ok((trainee.model, Weights::Checkpoint(epoch, path)))
+    load_weights(run, &recipe.model_config(), device)
+}
+
+/// Weights for a model of `config` from a run directory (its final model, else its newest
+/// complete checkpoint) or from a model or checkpoint file.
+pub fn load_weights(
+    path: &Path,
+    config: &ModelConfig,
+    device: &Device,
+) -> Result<(Model, Weights)> {
+    let weights = if path.is_dir() {
+        let final_path = path.join(FINAL_MODEL);
+        if final_path.exists() {
+            Weights::Final(final_path)
+        } else {
+            let epoch = *complete_checkpoints(path).last().ok_or_else(|| {
+                anyhow!(
+                    "{} has neither {FINAL_MODEL} nor a complete checkpoint",
+                    path.display()
+                )
+            })?;
+            Weights::Checkpoint(
+                epoch,
+                path.join(CHECKPOINTS).join(format!("model-{epoch}.bpk")),
+            )
+        }
+    } else if path.is_file() {
+        Weights::Final(path.to_path_buf())
+    } else {
+        bail!("{}: no such run directory or model file", path.display());
+    };
+    let file = match &weights {
+        Weights::Final(p) | Weights::Checkpoint(_, p) => p.clone(),
+    };
+    // A final model holds a `Model`; a learner checkpoint a `Trainee` (the model under `model.`).
+    let model = match config.init(device).try_load_file(&file) {
+        Ok(model) => model,
+        Err(as_model) => Trainee {
+            model: config.init(device),
+            context: None,
+        }
+        .try_load_file(&file)
+        .map(|t| t.model)
+        .map_err(|_| anyhow!("{}: {as_model}", file.display()))?,
+    };
+    Ok((model, weights))
 }
 
 /// Writes the final model as `model.bpk` and `model.safetensors`.

@@ -198,6 +198,27 @@ fn train_checkpoint_resume_generate_and_evaluate() {
         generate()["completion"],
         "deterministic by seed"
     );
+    // A new run initialised from this one starts where it ended.
+    let init = tmp.path().join("init");
+    let whole_arg = format!("training.init_from={}", path(&whole));
+    let stdout = ok(&[
+        "train",
+        "--recipe",
+        "micro",
+        "--out",
+        path(&init),
+        "--set",
+        &whole_arg,
+        "--set",
+        "training.steps=4",
+    ]);
+    assert!(stdout.contains("initialised from final model"), "{stdout}");
+    let first_init = records(&init, "train")[0]["loss"].as_f64().unwrap();
+    assert!(
+        first_init < (first + last) / 2.0,
+        "{first_init} starts near the trained loss {last}, not {first}"
+    );
+
     let ppl: Value = serde_json::from_str(&ok(&[
         "eval",
         "ppl",

@@ -236,7 +236,16 @@ pub fn run(args: &TrainArgs) -> Result<()> {
 
     let train_device = device.clone().autodiff();
     train_device.seed(recipe.training.seed);
-    let model = recipe.model_config().init(&train_device);
+    let model = match (&recipe.training.init_from, resume_from) {
+        (Some(path), 0) => {
+            let (model, weights) =
+                run::load_weights(Path::new(path), &recipe.model_config(), &train_device)
+                    .with_context(|| format!("`training.init_from` of {}", resolved.source))?;
+            println!("initialised from {weights}");
+            model
+        }
+        _ => recipe.model_config().init(&train_device),
+    };
     let dashboard = !args.no_dashboard && std::io::stdout().is_terminal();
     let interrupter = Interrupter::new();
     let schedule = Schedule::from_recipe(recipe);
