@@ -571,7 +571,7 @@ pub fn list(json: bool) -> Result<()> {
         match (&row.attention, row.params, &row.error) {
             (Some(a), Some(p), _) => {
                 println!(
-                    "{:<28} {:<12} {:>10.2}M  {}",
+                    "{:<36} {:<12} {:>10.2}M  {}",
                     row.name,
                     a,
                     p as f64 / 1e6,
