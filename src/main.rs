@@ -4,6 +4,7 @@ mod data;
 mod device;
 mod eval;
 mod generate;
+mod plan;
 mod recipe;
 mod run;
 mod train;
@@ -52,11 +53,21 @@ enum RecipeCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Show a recipe resolved (inheritance and overrides applied) with its derived numbers.
+    /// Show a recipe resolved (inheritance and overrides applied) with its derived numbers, and
+    /// with --gpu its memory and time plan.
     Show {
         name: String,
         #[arg(long = "set", value_name = "KEY=VALUE")]
         overrides: Vec<String>,
+        /// Plan for this GPU: h100, h200, a100, or a memory size in GB.
+        #[arg(long)]
+        gpu: Option<String>,
+        /// Devices for the time estimate (default: the fewest that hold the run).
+        #[arg(long, requires = "gpu")]
+        gpus: Option<usize>,
+        /// Model FLOPs utilisation assumed for the time estimate.
+        #[arg(long, default_value_t = 0.4, requires = "gpu")]
+        mfu: f64,
         #[arg(long)]
         json: bool,
     },
@@ -89,8 +100,11 @@ fn dispatch(cli: Cli) -> Result<()> {
             RecipeCommand::Show {
                 name,
                 overrides,
+                gpu,
+                gpus,
+                mfu,
                 json,
-            } => recipe::show(&name, &overrides, json),
+            } => recipe::show(&name, &overrides, gpu.map(|g| (g, gpus, mfu)), json),
         },
         Command::Generate(args) => generate::run(&args),
         Command::Eval { command } => match command {

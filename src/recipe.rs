@@ -585,16 +585,27 @@ pub fn list(json: bool) -> Result<()> {
     Ok(())
 }
 
-/// `diffzoo recipe show`.
-pub fn show(name: &str, overrides: &[String], json: bool) -> Result<()> {
+/// `diffzoo recipe show`, with a plan when given (GPU, device count, MFU).
+pub fn show(
+    name: &str,
+    overrides: &[String],
+    plan: Option<(String, Option<usize>, f64)>,
+    json: bool,
+) -> Result<()> {
     let resolved = resolve(name, overrides)?;
     let derived = resolved.recipe.derived();
+    let plan = plan
+        .map(|(gpu, gpus, mfu)| {
+            crate::plan::Plan::new(&resolved.recipe, crate::plan::Gpu::parse(&gpu)?, gpus, mfu)
+        })
+        .transpose()?;
     if json {
         let out = serde_json::json!({
             "name": resolved.name,
             "source": resolved.source.to_string(),
             "recipe": resolved.recipe,
             "derived": derived,
+            "plan": plan,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
@@ -622,6 +633,9 @@ pub fn show(name: &str, overrides: &[String], json: bool) -> Result<()> {
         "# training FLOPs: {:.3e} per token, {:.3e} for the run",
         derived.training_flops_per_token, derived.training_flops
     );
+    for line in plan.iter().flat_map(|p| p.lines()) {
+        println!("# {line}");
+    }
     Ok(())
 }
 
