@@ -7,6 +7,8 @@ mod generate;
 mod plan;
 mod recipe;
 mod run;
+mod scaling;
+mod sweep;
 mod train;
 
 use anyhow::Result;
@@ -38,6 +40,13 @@ enum Command {
     Eval {
         #[command(subcommand)]
         command: EvalCommand,
+    },
+    /// Train every recipe of a sweep into one directory (skipping finished runs).
+    Sweep(sweep::SweepArgs),
+    /// Scaling-law fits over sweeps.
+    Scaling {
+        #[command(subcommand)]
+        command: ScalingCommand,
     },
     /// Prepare token shards.
     Data {
@@ -80,6 +89,12 @@ enum EvalCommand {
 }
 
 #[derive(Subcommand)]
+enum ScalingCommand {
+    /// Fit L(x) = E + A·x^(−α) per architecture and compare them as the paper does.
+    Fit(scaling::FitArgs),
+}
+
+#[derive(Subcommand)]
 enum DataCommand {
     /// Tokenize text files (.txt, .jsonl, their .gz, directories) into shards.
     Prepare(data::PrepareArgs),
@@ -109,6 +124,10 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Generate(args) => generate::run(&args),
         Command::Eval { command } => match command {
             EvalCommand::Ppl(args) => eval::ppl(&args).map(|_| ()),
+        },
+        Command::Sweep(args) => sweep::run(&args),
+        Command::Scaling { command } => match command {
+            ScalingCommand::Fit(args) => scaling::run(&args),
         },
         Command::Data { command } => match command {
             DataCommand::Prepare(args) => data::prepare(&args),

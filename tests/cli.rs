@@ -472,3 +472,72 @@ fn a_non_finite_loss_stops_training_naming_the_step() {
             || !last["grad_norm"].as_f64().is_some_and(f64::is_finite)
     );
 }
+
+#[test]
+fn sweep_skips_finished_runs_and_scaling_fit_compares_architectures() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipes = tmp.path().join("recipes");
+    std::fs::create_dir_all(&recipes).unwrap();
+    for (d, layers) in [(16, 1), (32, 1), (32, 2), (48, 2)] {
+        for attention in ["diff", "transformer"] {
+            let text = format!(
+                "extends = \"micro\"\n[model]\nattention = \"{attention}\"\nd_model = {d}\nlayers = {layers}\n[training]\nsteps = 6\n[checkpoint]\ninterval = 3\n"
+            );
+            std::fs::write(
+                recipes.join(format!("d{d}-l{layers}-{attention}.toml")),
+                text,
+            )
+            .unwrap();
+        }
+    }
+    let out = tmp.path().join("sweep");
+    let summary: Value = serde_json::from_str(&ok(&[
+        "sweep",
+        path(&recipes),
+        "--out",
+        path(&out),
+        "--jobs",
+        "2",
+        "--json",
+    ]))
+    .unwrap();
+    let rows = summary.as_array().unwrap();
+    assert_eq!(rows.len(), 8);
+    assert!(
+        rows.iter()
+            .all(|r| r["status"] == "finished" && r["validation_loss"].as_f64().is_some())
+    );
+    assert!(out.join("summary.json").exists());
+    // A second sweep trains nothing again.
+    let log = out.join("d16-l1-diff/train.log");
+    let before = std::fs::metadata(&log).unwrap().modified().unwrap();
+    ok(&["sweep", path(&recipes), "--out", path(&out)]);
+    assert_eq!(std::fs::metadata(&log).unwrap().modified().unwrap(), before);
+
+    let plot = tmp.path().join("fit.svg");
+    let fit: Value = serde_json::from_str(&ok(&[
+        "scaling",
+        "fit",
+        path(&out),
+        "--plot",
+        path(&plot),
+        "--json",
+    ]))
+    .unwrap();
+    for attention in ["diff", "transformer"] {
+        assert_eq!(fit["fits"][attention]["points"], 4, "{fit}");
+        assert!(fit["fits"][attention]["alpha"].as_f64().unwrap() > 0.0);
+    }
+    assert_eq!(fit["matches"].as_array().unwrap().len(), 4);
+    assert!(std::fs::read_to_string(&plot).unwrap().starts_with("<svg"));
+    assert!(
+        fails(&[
+            "scaling",
+            "fit",
+            path(&out),
+            "--plot",
+            path(&tmp.path().join("fit.png"))
+        ])
+        .contains("only .svg")
+    );
+}
