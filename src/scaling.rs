@@ -2,8 +2,9 @@
 //! and the paper's comparison: the baseline size (or token count) that matches DIFF's loss.
 //!
 //! The fit is robust nonlinear least squares by variable projection: for a given α the model is
-//! linear in (E, A), solved by Huber-weighted least squares (IRLS); α is then found by a grid and
-//! golden-section search. Standard errors come from the Jacobian at the optimum.
+//! linear in (E, A), solved by Huber-weighted least squares (IRLS) with E ≥ 0; α ∈ [0.01, 4] is
+//! then found by a grid and golden-section search. Standard errors come from the Jacobian at the
+//! optimum (omitted when E sits on its bound, where they mean nothing).
 
 use crate::sweep::summarize;
 use anyhow::{Result, bail};
@@ -50,7 +51,8 @@ impl Fit {
     }
 }
 
-/// Huber-weighted least squares of `y ≈ e + a·z` for fixed z; returns (e, a, weighted RSS).
+/// Huber-weighted least squares of `y ≈ e + a·z` with `e ≥ 0`, for fixed z; returns
+/// (e, a, weighted RSS).
 fn linear_fit(z: &[f64], y: &[f64]) -> (f64, f64, f64) {
     let mut w = vec![1.0; y.len()];
     let (mut e, mut a) = (0.0, 0.0);
@@ -67,6 +69,18 @@ fn linear_fit(z: &[f64], y: &[f64]) -> (f64, f64, f64) {
             .sum();
         a = if szz > 0.0 { szy / szz } else { 0.0 };
         e = my - a * mz;
+        if e < 0.0 {
+            // The irreducible loss cannot be negative: fit through E = 0.
+            e = 0.0;
+            let szz0: f64 = w.iter().zip(z).map(|(w, z)| w * z * z).sum();
+            a = w
+                .iter()
+                .zip(z)
+                .zip(y)
+                .map(|((w, z), y)| w * z * y)
+                .sum::<f64>()
+                / szz0;
+        }
         let residuals: Vec<f64> = z.iter().zip(y).map(|(z, y)| y - e - a * z).collect();
         let mut abs: Vec<f64> = residuals.iter().map(|r| r.abs()).collect();
         abs.sort_by(f64::total_cmp);
@@ -117,7 +131,7 @@ pub fn fit(points: &[(f64, f64)]) -> Result<Fit> {
         .copied()
         .min_by(|a, b| cost(*a).2.total_cmp(&cost(*b).2))
         .expect("non-empty grid");
-    let (mut lo, mut hi) = ((best - 0.01).max(1e-4), best + 0.01);
+    let (mut lo, mut hi) = ((best - 0.01).max(0.01), best + 0.01);
     let phi = (5f64.sqrt() - 1.0) / 2.0;
     for _ in 0..60 {
         let (m1, m2) = (hi - phi * (hi - lo), lo + phi * (hi - lo));
@@ -132,7 +146,7 @@ pub fn fit(points: &[(f64, f64)]) -> Result<Fit> {
     let a = a_rel * x_ref.powf(alpha);
     // Standard errors from J = ∂L/∂(E, A_rel, α) at the optimum, σ² = RSS / (n − 3).
     let n = points.len();
-    let errors = (n > 3).then(|| {
+    let errors = (n > 3 && e > 0.0).then(|| {
         let rows: Vec<[f64; 3]> = xs
             .iter()
             .map(|x| {
