@@ -269,6 +269,36 @@ mod tests {
     fn plan_3b_and_13b_size_their_clusters() {
         let recipe = resolve("paper/3b/diff-360b", &[]).unwrap().recipe;
         let plan = Plan::new(&recipe, Gpu::parse("h100").unwrap(), Some(64), 0.4).unwrap();
+        // N = 28·(4·3072² + 3·3072·8192 + 2·3072 + 6·128) + 3072 + 2·100288·3072, in bf16.
+        let n = 28.0
+            * (4.0 * 3072.0f64.powi(2) + 3.0 * 3072.0 * 8192.0 + 2.0 * 3072.0 + 6.0 * 128.0)
+            + 3072.0
+            + 2.0 * 100_288.0 * 3072.0;
+        assert!(close(
+            plan.memory.weights + plan.memory.gradients + plan.memory.optimizer,
+            8.0 * n
+        ));
+        // Per token and layer: norms 4·3072, Q K V 3·3072, rotated 2·3072, maps 2·24·4096,
+        // output 3072, SwiGLU 4·8192, and DIFF's A₁ − λA₂ 12·4096 and subln 2·3072.
+        let block = 4.0 * 3072.0
+            + 3.0 * 3072.0
+            + 2.0 * 3072.0
+            + 2.0 * 24.0 * 4096.0
+            + 3072.0
+            + 4.0 * 8192.0
+            + 12.0 * 4096.0
+            + 2.0 * 3072.0;
+        let head = 4096.0 * (2.0 * 3072.0 * 2.0 + 100_288.0 * 6.0);
+        assert!(close(
+            plan.memory.activations,
+            28.0 * 4096.0 * block * 2.0 + head
+        ));
+        assert!(
+            !plan.fits_replicated,
+            "the 3B at 4,096 keeps S×S maps: not on one H100"
+        );
+        let h200 = Plan::new(&recipe, Gpu::parse("h200").unwrap(), None, 0.4).unwrap();
+        assert!(h200.fits_replicated && !h200.needs_checkpointing);
         let per_token = recipe.model_config().flops_per_token(4096).training;
         let flops = per_token * 85_831.0 * 4_194_304.0;
         assert!(close(plan.training_flops, flops));
