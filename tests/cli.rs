@@ -541,3 +541,55 @@ fn sweep_skips_finished_runs_and_scaling_fit_compares_architectures() {
         .contains("only .svg")
     );
 }
+
+#[test]
+fn bf16_on_flex_tracks_f32_and_ndarray_refuses_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (f32_run, bf16_run) = (tmp.path().join("f32"), tmp.path().join("bf16"));
+    ok(&[
+        "train",
+        "--recipe",
+        "micro",
+        "--out",
+        path(&f32_run),
+        "--device",
+        "flex",
+    ]);
+    ok(&[
+        "train",
+        "--recipe",
+        "micro",
+        "--out",
+        path(&bf16_run),
+        "--device",
+        "flex",
+        "--set",
+        "training.dtype=bf16",
+    ]);
+    for (a, b) in records(&f32_run, "train")
+        .iter()
+        .zip(&records(&bf16_run, "train"))
+    {
+        let (x, y) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
+        assert!(
+            (x - y).abs() < 0.05,
+            "step {}: f32 {x} vs bf16 {y}",
+            a["step"]
+        );
+    }
+    let err = fails(&[
+        "train",
+        "--recipe",
+        "micro",
+        "--out",
+        path(&tmp.path().join("nd")),
+        "--device",
+        "ndarray",
+        "--set",
+        "training.dtype=bf16",
+    ]);
+    assert!(
+        err.contains("does not support `training.dtype = \"bf16\"`"),
+        "{err}"
+    );
+}
