@@ -331,13 +331,24 @@ pub fn svg(report: &Report) -> String {
         "<line x1=\"{left}\" y1=\"{top}\" x2=\"{left}\" y2=\"{}\" stroke=\"black\"/>",
         h - bottom
     );
-    for decade in (x0.ceil() as i32)..=(x1.floor() as i32) {
-        let x = px(10f64.powi(decade));
-        let _ = writeln!(
-            s,
-            "<text x=\"{x}\" y=\"{}\" text-anchor=\"middle\">1e{decade}</text>",
-            h - bottom + 18.0
-        );
+    for decade in (x0.floor() as i32)..=(x1.ceil() as i32) {
+        for mantissa in [1.0, 2.0, 5.0] {
+            let value = mantissa * 10f64.powi(decade);
+            if (x0..=x1).contains(&value.log10()) {
+                let x = px(value);
+                let _ = writeln!(
+                    s,
+                    "<text x=\"{x:.1}\" y=\"{}\" text-anchor=\"middle\">{mantissa}e{decade}</text>",
+                    h - bottom + 18.0
+                );
+                let _ = writeln!(
+                    s,
+                    "<line x1=\"{x:.1}\" y1=\"{}\" x2=\"{x:.1}\" y2=\"{}\" stroke=\"black\"/>",
+                    h - bottom,
+                    h - bottom + 5.0
+                );
+            }
+        }
     }
     for i in 0..=4 {
         let y = y0 + (y1 - y0) * i as f64 / 4.0;
