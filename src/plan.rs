@@ -17,7 +17,7 @@
 
 use crate::recipe::Recipe;
 use anyhow::{Result, bail};
-use diffzoo_models::AttentionKind;
+use diffzoo_models::{AttentionKind, ModelConfig};
 use serde::Serialize;
 
 /// Usable share of a device's memory (the rest: CUDA context, allocator fragmentation).
@@ -90,15 +90,14 @@ pub struct Plan {
 }
 
 /// Activation elements per token of one block (see the module documentation).
-fn block_elements(recipe: &Recipe) -> f64 {
-    let config = recipe.model_config();
+fn block_elements(config: &ModelConfig, seq_len: usize) -> f64 {
     let (dm, h, h_kv, d) = (
         config.d_model as f64,
         config.heads as f64,
         config.kv_heads() as f64,
         config.head_dim() as f64,
     );
-    let (ffn, s) = (config.ffn_hidden() as f64, recipe.data.seq_len as f64);
+    let (ffn, s) = (config.ffn_hidden() as f64, seq_len as f64);
     let (q, kv, maps, extra) = match config.attention {
         AttentionKind::Transformer => (h * d, h_kv * d, h, 0.0),
         AttentionKind::Diff => (h * d, h_kv * d, h, (h / 2.0) * s + 2.0 * dm),
@@ -127,7 +126,7 @@ impl Plan {
             config.layers as f64,
         );
         let head = tokens * (2.0 * dm * b as f64 + vocab * (b as f64 + 4.0));
-        let block = tokens * block_elements(recipe) * b as f64;
+        let block = tokens * block_elements(&config, recipe.data.seq_len) * b as f64;
         let memory = Memory {
             weights: n * b as f64,
             gradients: n * b as f64,

@@ -126,10 +126,10 @@ pub fn fit(points: &[(f64, f64)]) -> Result<Fit> {
         linear_fit(&z, &ys)
     };
     let grid: Vec<f64> = (1..=400).map(|i| i as f64 * 0.01).collect();
-    let best = grid
+    let (best, _) = grid
         .iter()
-        .copied()
-        .min_by(|a, b| cost(*a).2.total_cmp(&cost(*b).2))
+        .map(|&alpha| (alpha, cost(alpha).2))
+        .min_by(|a, b| a.1.total_cmp(&b.1))
         .expect("non-empty grid");
     let (mut lo, mut hi) = ((best - 0.01).max(0.01), best + 0.01);
     let phi = (5f64.sqrt() - 1.0) / 2.0;
