@@ -14,6 +14,7 @@ use crate::recipe::{self, Recipe};
 use crate::train::step::Trainee;
 use anyhow::{Context, Result, anyhow, bail};
 use burn::module::Module;
+use burn::store::ModuleRecord;
 use burn::tensor::Device;
 use diffzoo_datasets::shards::{Shards, embedded_shards};
 use diffzoo_datasets::tokenizer::embedded_tokenizer;
@@ -88,11 +89,13 @@ pub fn run_tokenizer(run: &Path) -> Result<TextTokenizer> {
     Ok(TextTokenizer::from_file(&run.join(TOKENIZER))?)
 }
 
-/// Which weights `load_model` found.
+/// Which weights `load_weights` found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Weights {
     Final(PathBuf),
     Checkpoint(usize, PathBuf),
+    /// A model or checkpoint file named directly.
+    File(PathBuf),
 }
 
 impl std::fmt::Display for Weights {
@@ -100,6 +103,7 @@ impl std::fmt::Display for Weights {
         match self {
             Self::Final(path) => write!(f, "final model {}", path.display()),
             Self::Checkpoint(e, path) => write!(f, "checkpoint {e} ({})", path.display()),
+            Self::File(path) => write!(f, "weights file {}", path.display()),
         }
     }
 }
@@ -133,21 +137,27 @@ pub fn load_weights(
             )
         }
     } else if path.is_file() {
-        Weights::Final(path.to_path_buf())
+        Weights::File(path.to_path_buf())
     } else {
         bail!("{}: no such run directory or model file", path.display());
     };
     let file = match &weights {
-        Weights::Final(p) | Weights::Checkpoint(_, p) => p.clone(),
+        Weights::Final(p) | Weights::Checkpoint(_, p) | Weights::File(p) => p.clone(),
+    };
+    // Weights are cast to the device's float dtype: a bf16 run's model loads into an f32 device.
+    let record = || {
+        ModuleRecord::load(&file)
+            .map(ModuleRecord::cast_to_module_dtype)
+            .map_err(|e| anyhow!("{}: {e}", file.display()))
     };
     // A final model holds a `Model`; a learner checkpoint a `Trainee` (the model under `model.`).
-    let model = match config.init(device).try_load_file(&file) {
+    let model = match config.init(device).try_load_record(record()?) {
         Ok(model) => model,
         Err(as_model) => Trainee {
             model: config.init(device),
             context: None,
         }
-        .try_load_file(&file)
+        .try_load_record(record()?)
         .map(|t| t.model)
         .map_err(|_| anyhow!("{}: {as_model}", file.display()))?,
     };

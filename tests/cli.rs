@@ -577,6 +577,18 @@ fn bf16_on_flex_tracks_f32_and_ndarray_refuses_it() {
             a["step"]
         );
     }
+    // The bf16 run's weights load into an f32 device for evaluation.
+    let ppl: Value = serde_json::from_str(&ok(&[
+        "eval",
+        "ppl",
+        "--run",
+        path(&bf16_run),
+        "--max-batches",
+        "2",
+        "--json",
+    ]))
+    .unwrap();
+    assert!(ppl["loss"].as_f64().unwrap().is_finite());
     let err = fails(&[
         "train",
         "--recipe",
