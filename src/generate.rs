@@ -4,6 +4,7 @@ use crate::{device, run};
 use anyhow::{Result, bail};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Int, Tensor, TensorData};
+use diffzoo_datasets::Rng;
 use serde::Serialize;
 use std::path::PathBuf;
 
@@ -36,19 +37,6 @@ struct Generation {
     prompt: String,
     completion: String,
     tokens: Vec<u32>,
-}
-
-/// A small deterministic generator (SplitMix64) so that a seed fixes the sample everywhere.
-struct Rng(u64);
-
-impl Rng {
-    fn uniform(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 /// Picks the next token from the last position's logits.
@@ -96,7 +84,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         bail!("the prompt encodes to no tokens");
     }
     let prompt_len = tokens.len();
-    let mut rng = Rng(args.seed);
+    let mut rng = Rng::new(args.seed);
     for _ in 0..args.max_tokens {
         let window = &tokens[tokens.len().saturating_sub(context)..];
         let ids: Vec<i64> = window.iter().map(|&t| t as i64).collect();

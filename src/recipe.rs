@@ -73,6 +73,30 @@ pub struct DataSection {
     /// and cached) or a `tokenizer.json`. With shards: unset (the shards' tokenizer).
     pub tokenizer: Option<String>,
     pub seq_len: usize,
+    /// Mix synthetic needle-retrieval documents into the training windows.
+    pub needles: Option<NeedleSection>,
+}
+
+/// The needle-retrieval training mixture (training cities only; validation stays plain text).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NeedleSection {
+    /// Share of training windows replaced by needle documents.
+    pub fraction: f64,
+    /// Each needle document holds 1 to this many needles, all of them asked about.
+    #[serde(default = "default_max_needles")]
+    pub max_needles: usize,
+    /// Digits of the magic numbers.
+    #[serde(default = "default_digits")]
+    pub digits: usize,
+}
+
+fn default_max_needles() -> usize {
+    6
+}
+
+pub fn default_digits() -> usize {
+    7
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -318,6 +342,27 @@ impl Recipe {
         let c = &self.checkpoint;
         if c.interval == 0 || c.keep == 0 || c.eval_batches == 0 {
             return Err("`checkpoint.interval`, `checkpoint.keep` and `checkpoint.eval_batches` must be positive".into());
+        }
+        if let Some(n) = &self.data.needles {
+            if !(0.0..=1.0).contains(&n.fraction) {
+                return Err(format!(
+                    "`data.needles.fraction` = {} must lie in [0, 1]",
+                    n.fraction
+                ));
+            }
+            let cities = diffzoo_datasets::needle::TRAIN_CITIES.len();
+            if !(1..=cities).contains(&n.max_needles) {
+                return Err(format!(
+                    "`data.needles.max_needles` = {} must lie in [1, {cities}]",
+                    n.max_needles
+                ));
+            }
+            if !(1..=18).contains(&n.digits) {
+                return Err(format!(
+                    "`data.needles.digits` = {} must lie in [1, 18]",
+                    n.digits
+                ));
+            }
         }
         let tok = self.data.tokenizer.as_deref();
         if self.data.corpus == diffzoo_datasets::corpus::EMBEDDED && tok.is_none() {

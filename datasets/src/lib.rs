@@ -2,17 +2,21 @@
 //!
 //! The data side of diffzoo: the embedded corpus ([`corpus`]), tokenizers ([`tokenizer`]),
 //! reading text inputs ([`input`]), token shards ([`shards`]) and training windows with an
-//! exactly resumable order ([`windows`]).
+//! exactly resumable order ([`windows`]), and the needle-in-a-haystack retrieval task
+//! ([`needle`]).
 
 pub mod corpus;
 pub mod error;
 pub mod input;
+pub mod needle;
+pub mod rng;
 pub mod shards;
 pub mod tokenizer;
 pub mod windows;
 
 pub use error::{DataError, Result};
 pub use input::{Document, DocumentSource, Documents, InMemory, Skip};
+pub use rng::Rng;
 pub use shards::{Manifest, PrepareOptions, Shards, Split, TokenDtype, TokenStream};
 pub use tokenizer::TextTokenizer;
 pub use windows::{LmBatch, LmBatcher, SampleOrder, TokenWindows, WindowSlice};

@@ -2,6 +2,7 @@
 //! order that is a pure function of `(seed, epoch)`, so that the samples of global step `k` are
 //! known without replaying steps `0..k` (exact resume), and that costs no memory per sample.
 
+use crate::rng::splitmix;
 use crate::shards::TokenStream;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError};
@@ -82,12 +83,12 @@ impl SampleOrder {
         }
         let half_bits = (64 - (self.n - 1).max(1).leading_zeros()).div_ceil(2);
         let mask = (1u64 << half_bits) - 1;
-        let key = splitmix64(self.seed ^ splitmix64(epoch));
+        let key = splitmix(self.seed ^ splitmix(epoch));
         let mut x = index;
         loop {
             let (mut left, mut right) = (x >> half_bits, x & mask);
             for round in 0..4u64 {
-                let f = splitmix64(right ^ key.wrapping_add(round)) & mask;
+                let f = splitmix(right ^ key.wrapping_add(round)) & mask;
                 (left, right) = (right, left ^ f);
             }
             x = (left << half_bits) | right;
@@ -96,13 +97,6 @@ impl SampleOrder {
             }
         }
     }
-}
-
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// `len` consecutive positions of a sample order, starting at `first`, as a Burn dataset of

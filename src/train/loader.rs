@@ -7,6 +7,7 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
 use burn::data::dataset::DatasetError;
 use burn::tensor::Device;
+use diffzoo_datasets::needle::NeedleMix;
 use diffzoo_datasets::{LmBatch, LmBatcher, SampleOrder, TokenWindows};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -33,6 +34,8 @@ enum Epochs {
 pub struct StepLoader {
     windows: Arc<TokenWindows>,
     order: SampleOrder,
+    /// Training only: the needle documents replacing some windows.
+    needles: Option<Arc<NeedleMix>>,
     /// Sequences per item.
     sequences: usize,
     micro_batch: usize,
@@ -61,6 +64,7 @@ impl StepLoader {
         Self {
             windows,
             order,
+            needles: None,
             sequences,
             micro_batch,
             steps_per_epoch,
@@ -82,6 +86,7 @@ impl StepLoader {
         Self {
             windows,
             order,
+            needles: None,
             sequences: micro_batch,
             micro_batch,
             steps_per_epoch: batches,
@@ -89,6 +94,22 @@ impl StepLoader {
             epochs: Epochs::Fixed,
             range: None,
             device,
+        }
+    }
+
+    /// Replaces the windows `mix` chooses by its needle documents.
+    pub fn with_needles(mut self, mix: NeedleMix) -> Self {
+        self.needles = Some(Arc::new(mix));
+        self
+    }
+
+    /// The sample at `position` of the training stream.
+    fn sample(&self, position: u64) -> Vec<u32> {
+        match &self.needles {
+            Some(mix) if mix.chooses(position) => mix
+                .window(position, &self.windows, self.windows.seq_len() + 1)
+                .unwrap_or_else(|e| panic!("needle document {position}: {e}")),
+            _ => self.windows.window(self.order.sample(position)),
         }
     }
 
@@ -121,7 +142,7 @@ impl StepLoader {
     fn item(&self, step: usize) -> StepBatch {
         let first = (step * self.sequences) as u64;
         let windows: Vec<Vec<u32>> = (0..self.sequences as u64)
-            .map(|i| self.windows.window(self.order.sample(first + i)))
+            .map(|i| self.sample(first + i))
             .collect();
         let micro = windows
             .chunks(self.micro_batch)

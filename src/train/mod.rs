@@ -14,7 +14,7 @@ pub mod schedule;
 pub mod step;
 
 use crate::device;
-use crate::recipe::{self, Recipe};
+use crate::recipe::{self, NeedleSection, Recipe};
 use crate::run;
 use anyhow::{Context, Result, anyhow, bail};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
@@ -25,6 +25,7 @@ use burn::train::checkpoint::KeepLastNCheckpoints;
 use burn::train::metric::LearningRateMetric;
 use burn::train::{ExecutionStrategy, Interrupter, Learner, SupervisedTraining};
 use checkpoint::AtomicCheckpointer;
+use diffzoo_datasets::needle::NeedleMix;
 use diffzoo_datasets::{Split, TextTokenizer, TokenWindows};
 use loader::StepLoader;
 use metrics::{MetricsLog, StatMetric};
@@ -283,7 +284,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         );
     }
 
-    let train_loader = StepLoader::training(
+    let mut train_loader = StepLoader::training(
         train,
         recipe.training.seed,
         recipe.batch_sequences(),
@@ -293,6 +294,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         resume_from + 1,
         device.clone(),
     );
+    if let Some(needles) = &recipe.data.needles {
+        train_loader = train_loader.with_needles(needle_mix(recipe, needles, &tokenizer)?);
+    }
     let valid_loader = StepLoader::validation(valid, micro, valid_batches, device.clone());
     let checkpoints = dir.join(run::CHECKPOINTS);
     let mut training =
@@ -344,4 +348,29 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     run::save_final(&dir, &result.model.model)?;
     println!("done: {}", dir.join(run::FINAL_MODEL).display());
     Ok(())
+}
+
+/// The recipe's needle mixture, checked to fit its windows.
+fn needle_mix(
+    recipe: &Recipe,
+    needles: &NeedleSection,
+    tokenizer: &TextTokenizer,
+) -> Result<NeedleMix> {
+    let mix = NeedleMix {
+        tokenizer: tokenizer.clone(),
+        fraction: needles.fraction,
+        max_needles: needles.max_needles,
+        digits: needles.digits,
+        seed: recipe.training.seed,
+    };
+    let worst = mix.worst_case_tokens()?;
+    if worst >= recipe.data.seq_len {
+        bail!(
+            "`data.needles.max_needles` = {}: its needles and questions can take {worst} tokens, \
+             more than a window of `data.seq_len` = {}",
+            needles.max_needles,
+            recipe.data.seq_len
+        );
+    }
+    Ok(mix)
 }
