@@ -25,7 +25,7 @@ pub mod config;
 pub mod feed_forward;
 pub mod model;
 
-pub use analysis::{AbsStats, LayerStats};
+pub use analysis::{AbsAccumulator, AbsStats, Allocation, LayerStats, allocation};
 pub use attention::{Attention, AttentionProbe};
 pub use budget::{FlopsPerToken, ParamCount};
 pub use config::{AttentionKind, ModelConfig, lambda_init};

@@ -145,6 +145,15 @@ impl Model {
         }
     }
 
+    /// The model with every layer's attention logits quantised to `bits` bits (0: none), the
+    /// paper's Fig. 8 analysis.
+    pub fn with_logit_bits(mut self, bits: u32) -> Self {
+        for block in &mut self.blocks {
+            block.attn.set_logit_bits(bits);
+        }
+        self
+    }
+
     /// DIFF V1's λ of every layer (input-independent); empty for the other variants.
     pub fn lambdas(&self) -> Vec<f32> {
         self.blocks.iter().filter_map(|b| b.attn.lambda()).collect()

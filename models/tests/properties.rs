@@ -345,3 +345,105 @@ fn statistics_count_causal_logits_and_report_lambda() {
         }
     }
 }
+
+#[test]
+fn the_accumulator_matches_exact_statistics_over_many_tensors() {
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        // Magnitudes across six decades, both signs, a few masked entries.
+        let u = (rng >> 11) as f64 / (1u64 << 53) as f64;
+        match rng % 97 {
+            0 => f32::NEG_INFINITY,
+            r => ((if r % 2 == 0 { -1.0 } else { 1.0 }) * 10f64.powf(6.0 * u - 3.0)) as f32,
+        }
+    };
+    let chunks: Vec<Vec<f32>> = (0..7)
+        .map(|i| (0..1000 + 37 * i).map(|_| next()).collect())
+        .collect();
+    let mut acc = diffzoo_models::AbsAccumulator::new(100);
+    for c in &chunks {
+        acc.add_values(c);
+    }
+    let got = acc.finish();
+    let exact = diffzoo_models::AbsStats::of_values(chunks.concat(), 100);
+    assert_eq!(got.count, exact.count);
+    assert_eq!(got.top, exact.top);
+    let rel = (got.median - exact.median).abs() / exact.median;
+    assert!(
+        rel < 1.2e-3,
+        "median {} vs exact {}",
+        got.median,
+        exact.median
+    );
+    let zeros = diffzoo_models::AbsAccumulator::new(3);
+    assert!(zeros.finish().median.is_nan());
+}
+
+#[test]
+fn allocation_splits_a_hand_built_row_into_answer_and_noise() {
+    let device = device();
+    // Two heads over 6 keys; query row 5. Context is keys 0..4 (4 and 5 are the question),
+    // the answer span keys 1..3.
+    let rows = [
+        [0.1, 0.3, 0.2, 0.1, 0.2, 0.1],
+        [0.0, 0.5, -0.1, 0.2, 0.3, 0.1],
+    ];
+    let mut data = vec![0.0f32; 2 * 6 * 6];
+    for (h, row) in rows.iter().enumerate() {
+        data[h * 36 + 5 * 6..h * 36 + 6 * 6].copy_from_slice(&row.map(|v: f64| v as f32));
+    }
+    let maps = Tensor::<4>::from_data(burn::tensor::TensorData::new(data, [1, 2, 6, 6]), &device);
+    let a = diffzoo_models::allocation(maps, 5, 1..3, 0..4);
+    // answer: (0.3 + 0.2 + 0.5 − 0.1) / 2 = 0.45; context: (0.7 + 0.6) / 2 = 0.65.
+    assert!((a.answer - 0.45).abs() < 1e-6, "{a:?}");
+    assert!((a.noise - 0.20).abs() < 1e-6, "{a:?}");
+}
+
+#[test]
+fn logit_quantization_is_exact_at_high_bits_and_coarse_at_low_bits() {
+    let device = device();
+    for attention in AttentionKind::ALL {
+        device.seed(11);
+        let model = config(attention, 8, 4).init(&device);
+        let input = tokens(2, 9, 61, 4, &device);
+        let full = model.forward(input.clone());
+        let fused = model.clone().with_logit_bits(0).forward(input.clone());
+        assert!(max_abs_diff(full.clone(), fused) == 0.0);
+        let diff = |bits| {
+            max_abs_diff(
+                full.clone(),
+                model.clone().with_logit_bits(bits).forward(input.clone()),
+            )
+        };
+        let (d16, d8, d4) = (diff(16), diff(8), diff(4));
+        assert!(d16 < 1e-4, "{attention}: 16 bits changed logits by {d16}");
+        assert!(
+            d4 > d8 && d4 > 10.0 * d16,
+            "{attention}: 4 bits {d4}, 8 bits {d8}, 16 bits {d16}"
+        );
+        // The grid: each map's causal logits take at most 2·(2^(b−1) − 1) + 1 values.
+        let probe = model
+            .clone()
+            .with_logit_bits(3)
+            .forward_probe(input.clone());
+        let logits = probe.layers[0]
+            .attention
+            .logits
+            .clone()
+            .narrow(0, 0, 1)
+            .narrow(1, 0, 1);
+        let mut values: Vec<f32> = logits
+            .into_data()
+            .try_into_vec::<f32>()
+            .unwrap()
+            .into_iter()
+            .filter(|v| v.is_finite())
+            .collect();
+        values.sort_by(f32::total_cmp);
+        values.dedup();
+        assert!(values.len() <= 7, "{attention}: {values:?}");
+    }
+}

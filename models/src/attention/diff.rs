@@ -50,6 +50,8 @@ pub struct DiffAttention {
     /// H'_kv.
     pub kv_heads: usize,
     pub fused: bool,
+    /// Quantise attention logits to this many bits (0: off; analysis only).
+    pub logit_bits: u32,
 }
 
 impl DiffAttention {
@@ -80,6 +82,7 @@ impl DiffAttention {
             heads,
             kv_heads,
             fused: config.fused_attention,
+            logit_bits: 0,
         }
     }
 
@@ -127,13 +130,13 @@ impl DiffAttention {
         let dtype = x.dtype();
         let (q, k, v) = self.qkv(x, rope);
         let lambda = self.lambda_as(dtype);
-        let heads = if self.fused {
+        let heads = if self.fused && self.logit_bits == 0 {
             let half = |t: &Tensor<5>, c: usize| t.clone().narrow(2, c, 1).squeeze_dim::<4>(2);
             let a1v = fused_causal_attention(half(&q, 0), half(&k, 0), v.clone());
             let a2v = fused_causal_attention(half(&q, 1), half(&k, 1), v);
             a1v - a2v * lambda
         } else {
-            let [a1, a2] = maps(softmax(causal_logits(q, k), 4));
+            let [a1, a2] = maps(softmax(causal_logits(q, k, self.logit_bits), 4));
             (a1 - a2 * lambda).matmul(v)
         };
         self.output(heads)
@@ -146,7 +149,7 @@ impl DiffAttention {
     ) -> (Tensor<3>, AttentionProbe) {
         let dtype = x.dtype();
         let (q, k, v) = self.qkv(x, rope);
-        let logits = causal_logits(q, k);
+        let logits = causal_logits(q, k, self.logit_bits);
         let probs = softmax(logits.clone(), 4);
         let [a1, a2] = maps(probs.clone());
         let effective = a1 - a2 * self.lambda_as(dtype);

@@ -42,6 +42,8 @@ pub struct DiffV2Attention {
     /// H_kv.
     pub kv_heads: usize,
     pub fused: bool,
+    /// Quantise attention logits to this many bits (0: off; analysis only).
+    pub logit_bits: u32,
 }
 
 impl DiffV2Attention {
@@ -57,6 +59,7 @@ impl DiffV2Attention {
             heads,
             kv_heads,
             fused: config.fused_attention,
+            logit_bits: 0,
         }
     }
 
@@ -91,10 +94,10 @@ impl DiffV2Attention {
     pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
         let lambda = self.lambda(x.clone());
         let [q, k, v] = self.qkv(x, rope);
-        let o = if self.fused {
+        let o = if self.fused && self.logit_bits == 0 {
             fused_causal_attention(q, k, v)
         } else {
-            causal_softmax(q, k).matmul(v)
+            causal_softmax(q, k, self.logit_bits).matmul(v)
         };
         self.o_proj
             .forward(merge_heads(self.differentiate(o, lambda)))
@@ -107,7 +110,7 @@ impl DiffV2Attention {
     ) -> (Tensor<3>, AttentionProbe) {
         let lambda = self.lambda(x.clone());
         let [q, k, v] = self.qkv(x, rope);
-        let logits = causal_logits(q, k);
+        let logits = causal_logits(q, k, self.logit_bits);
         let probs = softmax(logits.clone(), 3);
         // Both heads of a pair read the same values, so the output is this map applied to them.
         let effective = self.differentiate(probs.clone(), lambda.clone());

@@ -81,6 +81,16 @@ impl Attention {
         }
     }
 
+    /// Quantises this layer's attention logits to `bits` bits from now on (0: full precision);
+    /// the explicit attention path is used while quantising.
+    pub fn set_logit_bits(&mut self, bits: u32) {
+        match self {
+            Self::Transformer(a) => a.logit_bits = bits,
+            Self::Diff(a) => a.logit_bits = bits,
+            Self::DiffV2(a) => a.logit_bits = bits,
+        }
+    }
+
     /// DIFF V1's current λ of this layer (input-independent); `None` for other variants.
     pub fn lambda(&self) -> Option<f32> {
         match self {
@@ -128,18 +138,48 @@ pub(crate) fn repeat_kv(x: Tensor<4>, n_rep: usize) -> Tensor<4> {
 }
 
 /// Scaled causal logits `q·kᵀ/√d` with `-inf` above the diagonal; `q`, `k`: `[.., S, d]`.
-pub(crate) fn causal_logits<const D: usize>(q: Tensor<D>, k: Tensor<D>) -> Tensor<D> {
+/// With `bits > 0` the logits are quantised first (see [`quantize_absmax`]).
+pub(crate) fn causal_logits<const D: usize>(q: Tensor<D>, k: Tensor<D>, bits: u32) -> Tensor<D> {
     let [s, d] = [q.dims()[D - 2], q.dims()[D - 1]];
     let logits = q
         .matmul(k.swap_dims(D - 2, D - 1))
         .mul_scalar(1.0 / (d as f64).sqrt());
     let future = Tensor::<2, Bool>::tril_mask([s, s], 0, &logits.device()).unsqueeze::<D>();
+    let logits = if bits > 0 {
+        quantize_absmax(logits, future.clone(), bits)
+    } else {
+        logits
+    };
     logits.mask_fill(future, f32::NEG_INFINITY)
 }
 
-/// Causal softmax map `softmax(q·kᵀ/√d)`.
-pub(crate) fn causal_softmax<const D: usize>(q: Tensor<D>, k: Tensor<D>) -> Tensor<D> {
-    softmax(causal_logits(q, k), D - 1)
+/// Dynamic absmax post-training quantisation of attention logits (the paper's Fig. 8): each
+/// map's logits are rounded to a symmetric grid of `2^(bits−1) − 1` steps each side of zero,
+/// scaled by the largest |logit| of the map's causal (unmasked) entries.
+pub fn quantize_absmax<const D: usize>(
+    logits: Tensor<D>,
+    future: Tensor<D, Bool>,
+    bits: u32,
+) -> Tensor<D> {
+    assert!(
+        (2..=24).contains(&bits),
+        "attention logits quantised to {bits} bits: 2 to 24 are possible"
+    );
+    let steps = ((1u32 << (bits - 1)) - 1) as f64;
+    let scale = logits
+        .clone()
+        .mask_fill(future, 0.0)
+        .abs()
+        .max_dim(D - 1)
+        .max_dim(D - 2)
+        .div_scalar(steps)
+        .clamp_min(f32::MIN_POSITIVE);
+    logits.div(scale.clone()).round().mul(scale)
+}
+
+/// Causal softmax map `softmax(q·kᵀ/√d)` (logits quantised to `bits` when `bits > 0`).
+pub(crate) fn causal_softmax<const D: usize>(q: Tensor<D>, k: Tensor<D>, bits: u32) -> Tensor<D> {
+    softmax(causal_logits(q, k, bits), D - 1)
 }
 
 /// `softmax(q·kᵀ/√d)·v` through Burn's attention op (a fused kernel where the backend has one;

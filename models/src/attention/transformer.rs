@@ -29,6 +29,8 @@ pub struct TransformerAttention {
     /// H_kv.
     pub kv_heads: usize,
     pub fused: bool,
+    /// Quantise attention logits to this many bits (0: off; analysis only).
+    pub logit_bits: u32,
 }
 
 impl TransformerAttention {
@@ -43,6 +45,7 @@ impl TransformerAttention {
             heads,
             kv_heads,
             fused: config.fused_attention,
+            logit_bits: 0,
         }
     }
 
@@ -57,10 +60,10 @@ impl TransformerAttention {
 
     pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
         let [q, k, v] = self.qkv(x, rope);
-        let heads = if self.fused {
+        let heads = if self.fused && self.logit_bits == 0 {
             fused_causal_attention(q, k, v)
         } else {
-            causal_softmax(q, k).matmul(v)
+            causal_softmax(q, k, self.logit_bits).matmul(v)
         };
         self.o_proj.forward(merge_heads(heads))
     }
@@ -71,7 +74,7 @@ impl TransformerAttention {
         rope: &RotaryEncoding,
     ) -> (Tensor<3>, AttentionProbe) {
         let [q, k, v] = self.qkv(x, rope);
-        let logits = causal_logits(q, k);
+        let logits = causal_logits(q, k, self.logit_bits);
         let probs = softmax(logits.clone(), 3);
         let out = self.o_proj.forward(merge_heads(probs.clone().matmul(v)));
         let probe = AttentionProbe {
