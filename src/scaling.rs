@@ -6,11 +6,11 @@
 //! then found by a grid and golden-section search. Standard errors come from the Jacobian at the
 //! optimum (omitted when E sits on its bound, where they mean nothing).
 
+use crate::plot::{self, Chart, Series};
 use crate::sweep::summarize;
 use anyhow::{Result, bail};
 use serde::Serialize;
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::path::PathBuf;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -293,134 +293,42 @@ pub fn report(points: BTreeMap<String, Vec<(f64, f64)>>, axis: &str) -> Result<R
 
 /// An SVG plot: log x, points and fitted curves per architecture.
 pub fn svg(report: &Report) -> String {
-    let (w, h, left, right, top, bottom) = (720.0, 480.0, 70.0, 20.0, 30.0, 50.0);
-    let all: Vec<(f64, f64)> = report.points.values().flatten().copied().collect();
-    let (x0, x1) = all.iter().fold((f64::MAX, f64::MIN), |(a, b), (x, _)| {
-        (a.min(x.log10()), b.max(x.log10()))
-    });
-    let (y0, y1) = all.iter().fold((f64::MAX, f64::MIN), |(a, b), (_, y)| {
-        (a.min(*y), b.max(*y))
-    });
-    let (x0, x1) = (
-        x0 - 0.05 * (x1 - x0).max(0.1),
-        x1 + 0.05 * (x1 - x0).max(0.1),
-    );
-    let (y0, y1) = (
-        y0 - 0.1 * (y1 - y0).max(0.05),
-        y1 + 0.1 * (y1 - y0).max(0.05),
-    );
-    let px = |x: f64| left + (x.log10() - x0) / (x1 - x0) * (w - left - right);
-    let py = |y: f64| top + (y1 - y) / (y1 - y0) * (h - top - bottom);
-    let color = |a: &str| match a {
-        "transformer" => "#1f77b4",
-        "diff" => "#d62728",
-        _ => "#2ca02c",
-    };
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-    );
-    let _ = writeln!(
-        s,
-        "<line x1=\"{left}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>",
-        h - bottom,
-        w - right,
-        h - bottom
-    );
-    let _ = writeln!(
-        s,
-        "<line x1=\"{left}\" y1=\"{top}\" x2=\"{left}\" y2=\"{}\" stroke=\"black\"/>",
-        h - bottom
-    );
-    for decade in (x0.floor() as i32)..=(x1.ceil() as i32) {
-        for mantissa in [1.0, 2.0, 5.0] {
-            let value = mantissa * 10f64.powi(decade);
-            if (x0..=x1).contains(&value.log10()) {
-                let x = px(value);
-                let _ = writeln!(
-                    s,
-                    "<text x=\"{x:.1}\" y=\"{}\" text-anchor=\"middle\">{mantissa}e{decade}</text>",
-                    h - bottom + 18.0
-                );
-                let _ = writeln!(
-                    s,
-                    "<line x1=\"{x:.1}\" y1=\"{}\" x2=\"{x:.1}\" y2=\"{}\" stroke=\"black\"/>",
-                    h - bottom,
-                    h - bottom + 5.0
-                );
-            }
-        }
-    }
-    for i in 0..=4 {
-        let y = y0 + (y1 - y0) * i as f64 / 4.0;
-        let _ = writeln!(
-            s,
-            "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{y:.2}</text>",
-            left - 6.0,
-            py(y) + 4.0
-        );
-    }
-    let label = if report.axis == "tokens" {
+    let x_label = if report.axis == "tokens" {
         "training tokens"
     } else {
         "parameters (paper convention)"
     };
-    let _ = writeln!(
-        s,
-        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{label}</text>",
-        (left + w - right) / 2.0,
-        h - 12.0
-    );
-    let _ = writeln!(
-        s,
-        "<text x=\"16\" y=\"{}\" transform=\"rotate(-90 16 {})\" text-anchor=\"middle\">validation loss</text>",
-        h / 2.0,
-        h / 2.0
-    );
+    let mut chart = Chart::new("", x_label, "validation loss", true);
+    let all: Vec<f64> = report.points.values().flatten().map(|p| p.0).collect();
+    let (lo, hi) = all.iter().fold((f64::MAX, f64::MIN), |(a, b), x| {
+        (a.min(x.log10()), b.max(x.log10()))
+    });
+    let pad = 0.05 * (hi - lo).max(0.1);
     for (i, (attention, series)) in report.points.iter().enumerate() {
-        let c = color(attention);
+        chart
+            .series
+            .push(Series::points(attention, i, series.clone()));
         if let Some(f) = report.fits.get(attention) {
-            let path: Vec<String> = (0..=100)
+            let curve = (0..=100)
                 .map(|k| {
-                    let x = 10f64.powf(x0 + (x1 - x0) * k as f64 / 100.0);
-                    format!("{:.1},{:.1}", px(x), py(f.loss(x)).clamp(top, h - bottom))
+                    let x = 10f64.powf(lo - pad + (hi - lo + 2.0 * pad) * k as f64 / 100.0);
+                    (x, f.loss(x))
                 })
                 .collect();
-            let _ = writeln!(
-                s,
-                "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"1.5\" points=\"{}\"/>",
-                path.join(" ")
-            );
+            chart.series.push(Series {
+                legend: false,
+                ..Series::line(attention, i, curve)
+            });
         }
-        for (x, y) in series {
-            let _ = writeln!(
-                s,
-                "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"4\" fill=\"{c}\"/>",
-                px(*x),
-                py(*y)
-            );
-        }
-        let ly = top + 16.0 * i as f64 + 8.0;
-        let _ = writeln!(
-            s,
-            "<circle cx=\"{}\" cy=\"{ly}\" r=\"4\" fill=\"{c}\"/><text x=\"{}\" y=\"{}\">{attention}</text>",
-            w - 150.0,
-            w - 140.0,
-            ly + 4.0
-        );
     }
-    s.push_str("</svg>\n");
-    s
+    chart.svg()
 }
 
 pub fn run(args: &FitArgs) -> Result<()> {
     let points = collect(&args.sweeps, &args.axis)?;
     let report = report(points, &args.axis)?;
     if let Some(path) = &args.plot {
-        if path.extension().is_none_or(|e| e != "svg") {
-            bail!("--plot {}: only .svg plots are written", path.display());
-        }
-        std::fs::write(path, svg(&report))
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        plot::write(path, &svg(&report))?;
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
