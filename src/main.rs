@@ -5,6 +5,7 @@ mod device;
 mod eval;
 mod generate;
 mod plan;
+mod plot;
 mod recipe;
 mod run;
 mod scaling;
@@ -36,11 +37,13 @@ enum Command {
     },
     /// Sample text from a run's model.
     Generate(generate::GenerateArgs),
-    /// Evaluate a run's model.
+    /// Evaluate a run's model: the paper's analyses.
     Eval {
         #[command(subcommand)]
         command: EvalCommand,
     },
+    /// Run every analysis on two runs and write one Markdown report with figures.
+    Compare(eval::compare::CompareArgs),
     /// Train every recipe of a sweep into one directory (skipping finished runs).
     Sweep(sweep::SweepArgs),
     /// Scaling-law fits over sweeps.
@@ -85,7 +88,19 @@ enum RecipeCommand {
 #[derive(Subcommand)]
 enum EvalCommand {
     /// Validation loss and perplexity.
-    Ppl(eval::PplArgs),
+    Ppl(eval::ppl::PplArgs),
+    /// Cumulative average NLL by position in the context (Fig. 4).
+    NllPosition(eval::position::PositionArgs),
+    /// Multi-needle retrieval accuracy (Table 2, Fig. 5).
+    Needle(eval::needle::NeedleArgs),
+    /// Attention on the answer span versus the rest of the context (Table 3).
+    Attention(eval::attention::AttentionArgs),
+    /// Top and median magnitudes of attention logits and hidden states (Table 5).
+    Outliers(eval::outliers::OutlierArgs),
+    /// Loss (and retrieval) with attention logits quantised to fewer bits (Fig. 8).
+    Quant(eval::quant::QuantArgs),
+    /// λ of every layer across the run's checkpoints.
+    Lambda(eval::lambda::LambdaArgs),
 }
 
 #[derive(Subcommand)]
@@ -123,8 +138,15 @@ fn dispatch(cli: Cli) -> Result<()> {
         },
         Command::Generate(args) => generate::run(&args),
         Command::Eval { command } => match command {
-            EvalCommand::Ppl(args) => eval::ppl(&args).map(|_| ()),
+            EvalCommand::Ppl(args) => eval::ppl::run(&args),
+            EvalCommand::NllPosition(args) => eval::position::run(&args),
+            EvalCommand::Needle(args) => eval::needle::run(&args),
+            EvalCommand::Attention(args) => eval::attention::run(&args),
+            EvalCommand::Outliers(args) => eval::outliers::run(&args),
+            EvalCommand::Quant(args) => eval::quant::run(&args),
+            EvalCommand::Lambda(args) => eval::lambda::run(&args),
         },
+        Command::Compare(args) => eval::compare::run(&args),
         Command::Sweep(args) => sweep::run(&args),
         Command::Scaling { command } => match command {
             ScalingCommand::Fit(args) => scaling::run(&args),

@@ -605,3 +605,204 @@ fn bf16_on_flex_tracks_f32_and_ndarray_refuses_it() {
         "{err}"
     );
 }
+
+fn json(args: &[&str]) -> Value {
+    let stdout = ok(args);
+    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}):\n{stdout}"))
+}
+
+#[test]
+fn every_analysis_runs_on_micro_runs_and_compare_writes_a_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let diff = dir.path().join("diff");
+    let base = dir.path().join("base");
+    ok(&["train", "--recipe", "micro-needle", "--out", path(&diff)]);
+    ok(&[
+        "train",
+        "--recipe",
+        "micro-needle",
+        "--set",
+        "model.attention=\"transformer\"",
+        "--out",
+        path(&base),
+    ]);
+    let run = path(&diff);
+
+    let pos = json(&[
+        "eval",
+        "nll-position",
+        "--run",
+        run,
+        "--windows",
+        "3",
+        "--json",
+    ]);
+    let cumulative = pos["cumulative"].as_array().unwrap();
+    assert_eq!(cumulative.len(), 256);
+    assert_eq!(pos["windows"], 3);
+    assert_eq!(cumulative[0], pos["nll"][0]);
+
+    let needle = json(&[
+        "eval",
+        "needle",
+        "--run",
+        run,
+        "--needles",
+        "1,2",
+        "--queries",
+        "1,2,3",
+        "--depths",
+        "0,1",
+        "--samples",
+        "2",
+        "--json",
+    ]);
+    // R > N is skipped: (1,1), (2,1), (2,2) × two depths.
+    let cells = needle["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 6);
+    assert!(
+        cells
+            .iter()
+            .all(|c| (0.0..=1.0).contains(&c["accuracy"].as_f64().unwrap()))
+    );
+    assert_eq!(needle["grid"]["digits"], 3, "the run's training digits");
+    // Same seed, same result; lengths past the context are refused.
+    assert_eq!(
+        needle,
+        json(&[
+            "eval",
+            "needle",
+            "--run",
+            run,
+            "--needles",
+            "1,2",
+            "--queries",
+            "1,2,3",
+            "--depths",
+            "0,1",
+            "--samples",
+            "2",
+            "--json",
+        ])
+    );
+    let err = fails(&["eval", "needle", "--run", run, "--lengths", "512"]);
+    assert!(
+        err.contains("512 tokens exceed the model's context of 256"),
+        "{err}"
+    );
+    let err = fails(&["eval", "needle", "--run", run, "--depths", "0,1.5"]);
+    assert!(err.contains("1.5"), "{err}");
+
+    let att = json(&[
+        "eval",
+        "attention",
+        "--run",
+        run,
+        "--needles",
+        "2",
+        "--depths",
+        "0,0.5",
+        "--samples",
+        "2",
+        "--json",
+    ]);
+    for d in att["depths"].as_array().unwrap() {
+        let (a, n) = (d["answer"].as_f64().unwrap(), d["noise"].as_f64().unwrap());
+        // DIFF rows sum to 1 − λ: shares are below one; the answer span is a small part.
+        assert!(a.abs() < 1.0 && n.abs() < 1.0 && a + n < 1.0, "{d}");
+    }
+
+    let out = json(&[
+        "eval", "outliers", "--run", run, "--tokens", "300", "--json",
+    ]);
+    assert_eq!(out["tokens"], 512, "whole windows");
+    let top = out["attention_logits"]["top"].as_array().unwrap();
+    assert_eq!(top.len(), 5);
+    let v: Vec<f64> = top.iter().map(|t| t[1].as_f64().unwrap()).collect();
+    assert!(v.windows(2).all(|w| w[0] >= w[1]));
+    assert!(out["hidden_states"]["median"].as_f64().unwrap() > 0.0);
+    assert_eq!(out["layer_top_logit"].as_array().unwrap().len(), 2);
+
+    let q = json(&[
+        "eval",
+        "quant",
+        "--run",
+        run,
+        "--bits",
+        "16,4",
+        "--max-batches",
+        "2",
+        "--json",
+    ]);
+    let widths = q["widths"].as_array().unwrap();
+    let delta = |i: usize| widths[i]["delta"].as_f64().unwrap().abs();
+    assert!(widths[0]["bits"].is_null() && delta(0) == 0.0);
+    assert!(delta(1) < 1e-4, "16 bits: {}", delta(1));
+    assert!(delta(2) > delta(1), "4 bits must cost more than 16");
+
+    let lambda = json(&["eval", "lambda", "--run", run, "--json"]);
+    let steps: Vec<u64> = lambda["checkpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, vec![3, 6]);
+    let err = fails(&["eval", "lambda", "--run", path(&base)]);
+    assert!(err.contains("has no λ"), "{err}");
+
+    let report = dir.path().join("report");
+    ok(&[
+        "compare",
+        path(&diff),
+        path(&base),
+        "--out",
+        path(&report),
+        "--samples",
+        "2",
+        "--needles",
+        "1,2",
+        "--queries",
+        "1",
+        "--depths",
+        "0,1",
+        "--attention-samples",
+        "1",
+        "--outlier-tokens",
+        "256",
+        "--max-batches",
+        "2",
+        "--position-windows",
+        "2",
+    ]);
+    let md = std::fs::read_to_string(report.join("report.md")).unwrap();
+    for section in [
+        "# diff vs base",
+        "## NLL by position",
+        "## Multi-needle retrieval",
+        "## Attention allocation",
+        "## Activation outliers",
+        "## Quantised attention logits",
+        "## λ during training",
+    ] {
+        assert!(md.contains(section), "{section} missing:\n{md}");
+    }
+    for svg in [
+        "nll-position.svg",
+        "needle-a.svg",
+        "needle-b.svg",
+        "quant.svg",
+        "lambda-a.svg",
+    ] {
+        let text = std::fs::read_to_string(report.join(svg)).unwrap();
+        assert!(text.starts_with("<svg") && md.contains(svg), "{svg}");
+    }
+    assert!(
+        !report.join("lambda-b.svg").exists(),
+        "the baseline has no λ"
+    );
+    let results: Value =
+        serde_json::from_str(&std::fs::read_to_string(report.join("results.json")).unwrap())
+            .unwrap();
+    assert_eq!(results[1]["attention"], "transformer");
+}

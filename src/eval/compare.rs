@@ -1,0 +1,366 @@
+//! `diffzoo compare RUN_A RUN_B`: every analysis on both runs, written as one Markdown report
+//! with its figures and the raw results (`report.md`, `*.svg`, `results.json` in `--out`).
+
+use super::attention::{self, AttentionAllocation};
+use super::lambda::{self, Lambdas};
+use super::needle::{self, GridArgs, Retrieval};
+use super::outliers::{self, Outliers};
+use super::position::{self, NllByPosition};
+use super::ppl::{self, Perplexity};
+use super::quant::{self, Quantization};
+use super::{Loaded, Values, list};
+use crate::plot;
+use anyhow::{Context, Result};
+use diffzoo_models::AttentionKind;
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct CompareArgs {
+    pub run_a: PathBuf,
+    pub run_b: PathBuf,
+    /// Directory for report.md, the figures and results.json.
+    #[arg(long, default_value = "compare")]
+    pub out: PathBuf,
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Validation micro-batches for the loss and the quantisation study.
+    #[arg(long, default_value_t = 16)]
+    pub max_batches: usize,
+    /// Validation windows for NLL by position (default: all).
+    #[arg(long)]
+    pub position_windows: Option<u64>,
+    #[command(flatten)]
+    pub grid: GridArgs,
+    /// Samples per depth of the attention-allocation study.
+    #[arg(long, default_value_t = 20)]
+    pub attention_samples: usize,
+    /// Needles per prompt of the attention-allocation study.
+    #[arg(long, default_value_t = 4)]
+    pub attention_needles: usize,
+    /// Held-out tokens of the outlier study.
+    #[arg(long, default_value_t = 8192)]
+    pub outlier_tokens: usize,
+    #[arg(long, default_value = "16,8,6,4", value_parser = list::<u32>)]
+    pub bits: Values<u32>,
+}
+
+/// Everything measured on one run.
+#[derive(Debug, Serialize)]
+pub struct RunReport {
+    pub name: String,
+    pub run: String,
+    pub attention: String,
+    pub parameters: u64,
+    pub ppl: Perplexity,
+    pub nll_position: NllByPosition,
+    pub needle: Retrieval,
+    pub attention_allocation: AttentionAllocation,
+    pub outliers: Outliers,
+    pub quant: Quantization,
+    pub lambda: Option<Lambdas>,
+}
+
+fn measure(args: &CompareArgs, dir: &Path, name: &str) -> Result<RunReport> {
+    let loaded = Loaded::open(dir, &args.device)?;
+    eprintln!("{name}: {}", loaded.weights);
+    let grid = args.grid.resolve(&loaded)?;
+    let step = |what: &str| eprintln!("{name}: {what}");
+    step("validation loss");
+    let ppl = ppl::measure(&loaded, None, Some(args.max_batches))?;
+    step("NLL by position");
+    let nll_position = position::measure(&loaded, args.position_windows)?;
+    step("multi-needle retrieval");
+    let needle = needle::measure(&loaded, &grid)?;
+    step("attention allocation");
+    let attention_allocation = attention::measure(
+        &loaded,
+        args.attention_needles,
+        &grid.depths,
+        grid.lengths.first().copied(),
+        args.attention_samples,
+        grid.seed,
+    )?;
+    step("outliers");
+    let outliers = outliers::measure(&loaded, args.outlier_tokens)?;
+    step("quantised attention");
+    let quant = quant::measure(&loaded, &args.bits, args.max_batches, None)?;
+    let lambda = match loaded.recipe.model.attention {
+        AttentionKind::Transformer => None,
+        _ => Some(lambda::measure(&loaded, dir)?),
+    };
+    Ok(RunReport {
+        name: name.to_string(),
+        run: dir.display().to_string(),
+        attention: loaded.recipe.model.attention.to_string(),
+        parameters: loaded.recipe.model_config().param_count().total,
+        ppl,
+        nll_position,
+        needle,
+        attention_allocation,
+        outliers,
+        quant,
+        lambda,
+    })
+}
+
+/// Display names of the two runs: their directory names, told apart when equal.
+fn names(a: &Path, b: &Path) -> [String; 2] {
+    let name = |p: &Path| {
+        p.file_name().map_or_else(
+            || p.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        )
+    };
+    let (na, nb) = (name(a), name(b));
+    if na == nb {
+        [format!("{na} (A)"), format!("{nb} (B)")]
+    } else {
+        [na, nb]
+    }
+}
+
+/// The Markdown report of two runs; figures are referenced by file name.
+pub fn report(runs: &[RunReport; 2], command: &str) -> String {
+    let [a, b] = runs;
+    let mut s = String::new();
+    let _ = writeln!(s, "# {} vs {}\n", a.name, b.name);
+    let _ = writeln!(s, "Produced by `{command}`.\n");
+    let _ = writeln!(s, "| | {} | {} |\n|---|---|---|", a.name, b.name);
+    let row = |s: &mut String, what: &str, f: &dyn Fn(&RunReport) -> String| {
+        let _ = writeln!(s, "| {what} | {} | {} |", f(a), f(b));
+    };
+    row(&mut s, "run", &|r| format!("`{}`", r.run));
+    row(&mut s, "architecture", &|r| r.attention.clone());
+    row(&mut s, "parameters", &|r| {
+        format!("{:.2}M", r.parameters as f64 / 1e6)
+    });
+    row(&mut s, "weights", &|r| r.ppl.weights.clone());
+    row(&mut s, "validation loss", &|r| format!("{:.4}", r.ppl.loss));
+    row(&mut s, "perplexity", &|r| {
+        format!("{:.2}", r.ppl.perplexity)
+    });
+
+    let _ = writeln!(s, "\n## NLL by position (Fig. 4)\n");
+    let _ = writeln!(
+        s,
+        "Cumulative average NLL of held-out tokens up to each position.\n"
+    );
+    let _ = writeln!(s, "| position | {} | {} |\n|---|---|---|", a.name, b.name);
+    for t in position::report_positions(
+        a.nll_position
+            .cumulative
+            .len()
+            .min(b.nll_position.cumulative.len()),
+    ) {
+        let _ = writeln!(
+            s,
+            "| {t} | {:.4} | {:.4} |",
+            a.nll_position.cumulative[t - 1],
+            b.nll_position.cumulative[t - 1]
+        );
+    }
+    let _ = writeln!(s, "\n![NLL by position](nll-position.svg)");
+
+    let g = &a.needle.grid;
+    let _ = writeln!(s, "\n## Multi-needle retrieval (Table 2, Fig. 5)\n");
+    let _ = writeln!(
+        s,
+        "Exact-match accuracy of greedy decoding by depth of the answer; {} samples per cell, {}-digit numbers, lengths {:?}, seed {}. \"answer tokens\": the share of answer tokens that are the model's top prediction given the ones before.\n",
+        g.samples, g.digits, g.lengths, g.seed
+    );
+    let depths: Vec<String> = g
+        .depths
+        .iter()
+        .map(|d| format!("{:.0}%", d * 100.0))
+        .collect();
+    let _ = writeln!(
+        s,
+        "| N | R | run | {} | mean | answer tokens |\n|---|---|---|{}---|---|",
+        depths.join(" | "),
+        "---|".repeat(depths.len())
+    );
+    for (n, r) in a.needle.pairs() {
+        for run in [a, b] {
+            let cells: Vec<String> = g
+                .depths
+                .iter()
+                .map(|&d| {
+                    format!(
+                        "{:.2}",
+                        run.needle
+                            .mean(|c| (c.needles, c.queries, c.depth) == (n, r, d))
+                    )
+                })
+                .collect();
+            let pair = |c: &needle::Cell| (c.needles, c.queries) == (n, r);
+            let _ = writeln!(
+                s,
+                "| {n} | {r} | {} | {} | **{:.2}** | {:.2} |",
+                run.name,
+                cells.join(" | "),
+                run.needle.mean(pair),
+                run.needle.token_mean(pair)
+            );
+        }
+    }
+    let _ = writeln!(
+        s,
+        "\n![retrieval, {}](needle-a.svg) ![retrieval, {}](needle-b.svg)",
+        a.name, b.name
+    );
+
+    let _ = writeln!(s, "\n## Attention allocation (Table 3)\n");
+    let _ = writeln!(
+        s,
+        "Attention of the answer-predicting token on the answer needle and on the rest of the context, mean over heads, layers and {} samples ({} needles per prompt).\n",
+        a.attention_allocation.samples, a.attention_allocation.needles
+    );
+    let _ = writeln!(
+        s,
+        "| depth | {0} answer | {0} noise | {1} answer | {1} noise |\n|---|---|---|---|---|",
+        a.name, b.name
+    );
+    for (da, db) in a
+        .attention_allocation
+        .depths
+        .iter()
+        .zip(&b.attention_allocation.depths)
+    {
+        let _ = writeln!(
+            s,
+            "| {:.0}% | {:.3} | {:.3} | {:.3} | {:.3} |",
+            da.depth * 100.0,
+            da.answer,
+            da.noise,
+            db.answer,
+            db.noise
+        );
+    }
+
+    let _ = writeln!(s, "\n## Activation outliers (Table 5)\n");
+    let ranks: Vec<String> = outliers::RANKS.iter().map(|r| format!("top-{r}")).collect();
+    let _ = writeln!(
+        s,
+        "| activation | run | {} | median |\n|---|---|{}---|",
+        ranks.join(" | "),
+        "---|".repeat(ranks.len())
+    );
+    for (what, pick) in [
+        (
+            "attention logits",
+            (|o: &Outliers| o.attention_logits.clone()) as fn(&Outliers) -> outliers::Magnitudes,
+        ),
+        ("hidden states", |o: &Outliers| o.hidden_states.clone()),
+    ] {
+        for run in [a, b] {
+            let m = pick(&run.outliers);
+            let top: Vec<String> = m.top.iter().map(|(_, v)| format!("{v:.2}")).collect();
+            let _ = writeln!(
+                s,
+                "| {what} | {} | {} | {:.3} |",
+                run.name,
+                top.join(" | "),
+                m.median
+            );
+        }
+    }
+
+    let _ = writeln!(s, "\n## Quantised attention logits (Fig. 8)\n");
+    let _ = writeln!(
+        s,
+        "Validation loss with every attention logit map quantised (dynamic absmax), and its change from full precision.\n"
+    );
+    let _ = writeln!(
+        s,
+        "| bits | {0} loss | {0} Δ | {1} loss | {1} Δ |\n|---|---|---|---|---|",
+        a.name, b.name
+    );
+    for (wa, wb) in a.quant.widths.iter().zip(&b.quant.widths) {
+        let bits = wa.bits.map_or("full".to_string(), |b| b.to_string());
+        let _ = writeln!(
+            s,
+            "| {bits} | {:.4} | {:+.4} | {:.4} | {:+.4} |",
+            wa.loss, wa.delta, wb.loss, wb.delta
+        );
+    }
+    let _ = writeln!(s, "\n![quantisation](quant.svg)");
+
+    let with_lambda: Vec<&RunReport> = runs.iter().filter(|r| r.lambda.is_some()).collect();
+    if !with_lambda.is_empty() {
+        let _ = writeln!(s, "\n## λ during training\n");
+        for (i, run) in runs.iter().enumerate() {
+            if let Some(l) = &run.lambda {
+                let _ = writeln!(s, "{}:\n", run.name);
+                let layers = l.checkpoints.first().map_or(0, |c| c.mean.len());
+                let header: Vec<String> = (0..layers).map(|i| format!("layer {i}")).collect();
+                let _ = writeln!(
+                    s,
+                    "| step | {} |\n|---|{}",
+                    header.join(" | "),
+                    "---|".repeat(layers)
+                );
+                for c in &l.checkpoints {
+                    let v: Vec<String> = c
+                        .mean
+                        .iter()
+                        .zip(&c.std)
+                        .map(|(m, sd)| {
+                            if run.attention == "diff-v2" {
+                                format!("{m:.3} ± {sd:.3}")
+                            } else {
+                                format!("{m:.3}")
+                            }
+                        })
+                        .collect();
+                    let _ = writeln!(s, "| {} | {} |", c.step, v.join(" | "));
+                }
+                let _ = writeln!(s, "\n![λ, {}](lambda-{}.svg)\n", run.name, ["a", "b"][i]);
+            }
+        }
+    }
+    s
+}
+
+pub fn run(args: &CompareArgs) -> Result<()> {
+    let [na, nb] = names(&args.run_a, &args.run_b);
+    let runs = [
+        measure(args, &args.run_a, &na)?,
+        measure(args, &args.run_b, &nb)?,
+    ];
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let out = |f: &str| args.out.join(f);
+    let [a, b] = &runs;
+    plot::write(
+        &out("nll-position.svg"),
+        &position::chart(&[(&a.name, &a.nll_position), (&b.name, &b.nll_position)]).svg(),
+    )?;
+    for (run, file) in [(a, "needle-a.svg"), (b, "needle-b.svg")] {
+        let title = format!("Multi-needle retrieval: {}", run.name);
+        plot::write(&out(file), &run.needle.heatmap(&title).svg())?;
+    }
+    plot::write(
+        &out("quant.svg"),
+        &quant::chart(&[(&a.name, &a.quant), (&b.name, &b.quant)]).svg(),
+    )?;
+    for (run, file) in [(a, "lambda-a.svg"), (b, "lambda-b.svg")] {
+        if let Some(l) = &run.lambda {
+            plot::write(
+                &out(file),
+                &l.chart(&format!("λ by layer: {}", run.name)).svg(),
+            )?;
+        }
+    }
+    let command = std::iter::once("diffzoo".to_string())
+        .chain(std::env::args().skip(1))
+        .collect::<Vec<_>>()
+        .join(" ");
+    std::fs::write(out("report.md"), report(&runs, &command))
+        .with_context(|| format!("writing {}", out("report.md").display()))?;
+    std::fs::write(out("results.json"), serde_json::to_string_pretty(&runs)?)
+        .with_context(|| format!("writing {}", out("results.json").display()))?;
+    println!("wrote {}", out("report.md").display());
+    Ok(())
+}

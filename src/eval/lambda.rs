@@ -1,0 +1,149 @@
+//! `diffzoo eval lambda`: how each layer's λ moved during training, read from every checkpoint
+//! the run kept and its final model. DIFF V1's λ is one number per layer; DIFF V2's λ_{t,h} depends
+//! on the token, so its mean and standard deviation over the heads and tokens of the first
+//! validation window are reported. The baseline has no λ.
+
+use super::{Common, Loaded, emit};
+use crate::plot::{Chart, Series};
+use crate::run;
+use anyhow::{Result, bail};
+use burn::data::dataloader::batcher::Batcher;
+use diffzoo_datasets::LmBatcher;
+use diffzoo_models::{AttentionKind, Model};
+use serde::Serialize;
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct LambdaArgs {
+    #[command(flatten)]
+    pub common: Common,
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct LambdaAt {
+    pub step: usize,
+    pub weights: String,
+    /// λ per layer (V2: the mean over heads and tokens).
+    pub mean: Vec<f32>,
+    /// V2: the standard deviation over heads and tokens; V1: zeros.
+    pub std: Vec<f32>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Lambdas {
+    pub attention: String,
+    pub checkpoints: Vec<LambdaAt>,
+}
+
+impl Lambdas {
+    pub fn print(&self) {
+        println!("λ per layer ({}):", self.attention);
+        for c in &self.checkpoints {
+            let layers: Vec<String> = c
+                .mean
+                .iter()
+                .zip(&c.std)
+                .map(|(m, s)| {
+                    if self.attention == "diff-v2" {
+                        format!("{m:.3}±{s:.3}")
+                    } else {
+                        format!("{m:.3}")
+                    }
+                })
+                .collect();
+            println!("  step {:>7}: {}", c.step, layers.join(" "));
+        }
+    }
+
+    /// λ of every layer against the training step.
+    pub fn chart(&self, title: &str) -> Chart {
+        let mut chart = Chart::new(title, "training step", "λ", false);
+        let layers = self.checkpoints.first().map_or(0, |c| c.mean.len());
+        for l in 0..layers {
+            let points: Vec<(f64, f64)> = self
+                .checkpoints
+                .iter()
+                .map(|c| (c.step as f64, c.mean[l] as f64))
+                .collect();
+            let name = format!("layer {l}");
+            chart.series.push(Series::line(&name, l, points.clone()));
+            chart.series.push(Series {
+                legend: false,
+                ..Series::points(&name, l, points)
+            });
+        }
+        chart
+    }
+}
+
+/// `(mean, std)` of λ per layer of `model`.
+fn layer_lambdas(loaded: &Loaded, model: &Model, window: &[u32]) -> (Vec<f32>, Vec<f32>) {
+    if loaded.recipe.model.attention == AttentionKind::Diff {
+        let l = model.lambdas();
+        let zeros = vec![0.0; l.len()];
+        return (l, zeros);
+    }
+    let batch = LmBatcher.batch(vec![window.to_vec()], &loaded.device);
+    model
+        .forward_probe(batch.inputs)
+        .layers
+        .into_iter()
+        .filter_map(|layer| layer.attention.lambda)
+        .map(|l| {
+            let mean = l.clone().mean().into_scalar::<f32>();
+            let var = (l - mean).powi_scalar(2).mean().into_scalar::<f32>();
+            (mean, var.sqrt())
+        })
+        .unzip()
+}
+
+pub fn measure(loaded: &Loaded, run_dir: &std::path::Path) -> Result<Lambdas> {
+    if loaded.recipe.model.attention == AttentionKind::Transformer {
+        bail!("{}: the baseline Transformer has no λ", run_dir.display());
+    }
+    let window = loaded.validation_windows()?.window(0);
+    let config = loaded.recipe.model_config();
+    let interval = loaded.recipe.checkpoint.interval;
+    let mut checkpoints = Vec::new();
+    for epoch in run::complete_checkpoints(run_dir) {
+        let file = run_dir
+            .join(run::CHECKPOINTS)
+            .join(format!("model-{epoch}.bpk"));
+        let (model, _) = run::load_weights(&file, &config, &loaded.device)?;
+        let (mean, std) = layer_lambdas(loaded, &model, &window);
+        checkpoints.push(LambdaAt {
+            step: (epoch * interval).min(loaded.recipe.total_steps()),
+            weights: format!("checkpoint {epoch}"),
+            mean,
+            std,
+        });
+    }
+    // The final model equals the last checkpoint when that one was taken at the last step.
+    let last = checkpoints.last().map(|c| c.step);
+    if matches!(loaded.weights, run::Weights::Final(_)) && last != Some(loaded.recipe.total_steps())
+    {
+        let (mean, std) = layer_lambdas(loaded, &loaded.model, &window);
+        checkpoints.push(LambdaAt {
+            step: loaded.recipe.total_steps(),
+            weights: "final model".into(),
+            mean,
+            std,
+        });
+    }
+    Ok(Lambdas {
+        attention: loaded.recipe.model.attention.to_string(),
+        checkpoints,
+    })
+}
+
+pub fn run(args: &LambdaArgs) -> Result<()> {
+    let loaded = Loaded::open(&args.common.run, &args.common.device)?;
+    let result = measure(&loaded, &args.common.run)?;
+    if let Some(path) = &args.plot {
+        let title = format!("λ by layer during training ({})", result.attention);
+        crate::plot::write(path, &result.chart(&title).svg())?;
+    }
+    emit(args.common.json, &result, Lambdas::print)
+}

@@ -1,0 +1,146 @@
+//! `diffzoo eval <task>`: the paper's analyses of a run's model, each on any backend, each with
+//! `--json` and most with `--plot FILE.svg`.
+//!
+//! | task           | what it measures                                            | paper       |
+//! |----------------|-------------------------------------------------------------|-------------|
+//! | `ppl`          | validation loss and perplexity                              |             |
+//! | `nll-position` | cumulative average NLL by token position                    | Fig. 4      |
+//! | `needle`       | multi-needle retrieval accuracy per (N, R, depth, length)   | Table 2, Fig. 5 |
+//! | `attention`    | attention on the answer span versus the rest of the context | Table 3     |
+//! | `outliers`     | top-k and median of |attention logits| and |hidden states|   | Table 5     |
+//! | `quant`        | loss (and retrieval) with attention logits at 16/8/6/4 bits | Fig. 8      |
+//! | `lambda`       | λ of every layer across the run's checkpoints               |             |
+
+pub mod attention;
+pub mod compare;
+pub mod lambda;
+pub mod needle;
+pub mod outliers;
+pub mod position;
+pub mod ppl;
+pub mod quant;
+
+use crate::train::step::lm_loss;
+use crate::{device, recipe::Recipe, run};
+use anyhow::{Result, bail};
+use burn::data::dataloader::batcher::Batcher;
+use burn::tensor::Device;
+use diffzoo_datasets::{LmBatcher, Shards, Split, TextTokenizer, TokenStream, TokenWindows};
+use diffzoo_models::Model;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// What every task takes.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Common {
+    /// Run directory (its final model, else its newest complete checkpoint).
+    #[arg(long)]
+    pub run: PathBuf,
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A run's model with what evaluating it needs.
+pub struct Loaded {
+    pub recipe: Recipe,
+    pub tokenizer: TextTokenizer,
+    pub shards: Shards,
+    pub model: Model,
+    pub weights: run::Weights,
+    pub device: Device,
+}
+
+impl Loaded {
+    pub fn open(run_dir: &Path, device: &str) -> Result<Self> {
+        let recipe = run::run_recipe(run_dir)?;
+        let tokenizer = run::run_tokenizer(run_dir)?;
+        let shards = run::open_data(&recipe)?.1;
+        shards.check_tokenizer(tokenizer.hash())?;
+        let device = device::parse(device)?;
+        let (model, weights) = run::load_model(run_dir, &recipe, &device)?;
+        Ok(Self {
+            recipe,
+            tokenizer,
+            shards,
+            model,
+            weights,
+            device,
+        })
+    }
+
+    /// The held-out token stream.
+    pub fn validation(&self) -> Result<TokenStream> {
+        Ok(self.shards.tokens(Split::Validation)?)
+    }
+
+    /// The model's context length.
+    pub fn context(&self) -> usize {
+        self.recipe.model_config().max_seq_len
+    }
+
+    /// Validation windows of the run's sequence length, refusing a split shorter than one.
+    pub fn validation_windows(&self) -> Result<TokenWindows> {
+        let windows = TokenWindows::new(self.validation()?, self.recipe.data.seq_len);
+        if windows.is_empty() {
+            bail!(
+                "{}: the validation split is shorter than one window of {} tokens",
+                self.shards.dir.display(),
+                self.recipe.data.seq_len
+            );
+        }
+        Ok(windows)
+    }
+
+    /// Mean validation loss of `model` over the first `batches` micro-batches (all when
+    /// `None`): `(loss, tokens, windows)`.
+    pub fn validation_loss(
+        &self,
+        model: &Model,
+        windows: &TokenWindows,
+        batches: Option<usize>,
+    ) -> (f64, u64, u64) {
+        let micro = self.recipe.training.micro_batch as u64;
+        let all = windows.len().div_ceil(micro);
+        let batches = batches.map_or(all, |m| all.min(m as u64));
+        let (mut sum, mut tokens, mut count) = (0.0, 0u64, 0u64);
+        for b in 0..batches {
+            let items: Vec<Vec<u32>> = (b * micro..((b + 1) * micro).min(windows.len()))
+                .map(|i| windows.window(i))
+                .collect();
+            count += items.len() as u64;
+            let batch = LmBatcher.batch(items, &self.device);
+            let [n, s] = batch.targets.dims();
+            let loss = lm_loss(model, &batch).into_scalar::<f64>();
+            sum += loss * (n * s) as f64;
+            tokens += (n * s) as u64;
+        }
+        (sum / tokens as f64, tokens, count)
+    }
+}
+
+/// Prints `result` as JSON, or runs `text`.
+pub fn emit<T: Serialize>(json: bool, result: &T, text: impl FnOnce(&T)) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(result)?);
+    } else {
+        text(result);
+    }
+    Ok(())
+}
+
+/// A comma-separated list argument (an alias, so that clap parses it as one value).
+pub type Values<T> = Vec<T>;
+
+/// Parses a comma-separated list such as `1,2,4` or `0,0.25,0.5`.
+pub fn list<T: std::str::FromStr>(text: &str) -> std::result::Result<Vec<T>, String> {
+    text.split(',')
+        .map(|v| {
+            v.trim()
+                .parse()
+                .map_err(|_| format!("`{v}` in `{text}` is not a valid value"))
+        })
+        .collect()
+}
