@@ -305,10 +305,13 @@ pub fn place(
     })
 }
 
+/// The shortest needle document packed into a training window.
+pub const MIN_DOCUMENT: usize = 128;
+
 /// The training mixture of the `tiny-needle` recipes: a fraction of the training windows are
-/// replaced by needle documents — training-corpus haystack with 1 to `max_needles` needles of
-/// [`TRAIN_CITIES`] at random positions, followed by every needle's question and answer in a
-/// random order — cut to the window length.
+/// replaced by windows of needle documents ([`NeedleMix::window`]): training-corpus haystack with
+/// needles of [`TRAIN_CITIES`] at random positions, followed by every needle's question and
+/// answer.
 #[derive(Debug, Clone)]
 pub struct NeedleMix {
     pub tokenizer: TextTokenizer,
@@ -340,42 +343,85 @@ impl NeedleMix {
         Ok(costs.iter().take(self.max_needles).sum())
     }
 
-    /// The needle document at stream `position`: `len` tokens, haystack from `windows`.
+    /// The needle window at stream `position`: `len` tokens of packed needle documents,
+    /// haystack from `windows`. Document lengths are log-uniform between
+    /// [`MIN_DOCUMENT`] and what is left of the window, so that many questions sit close to
+    /// their needles — where the attention of a model that has not learnt to retrieve yet still
+    /// finds them — and some as far as the window allows. Each document holds 1 to
+    /// `max_needles` needles (as many as fit), then every needle's question and answer in a
+    /// random order; no city appears twice in a window.
     pub fn window(&self, position: u64, windows: &TokenWindows, len: usize) -> Result<Vec<u32>> {
         let mut rng = Rng::for_item(self.seed, position);
-        let n = 1 + rng.below(self.max_needles as u64) as usize;
-        let needles = draw(&mut rng, &TRAIN_CITIES, n, self.digits)?;
-        let mut order: Vec<usize> = (0..n).collect();
-        for i in (1..n).rev() {
-            order.swap(i, rng.below(i as u64 + 1) as usize);
-        }
-        let mut questions = Vec::new();
-        for &i in &order {
-            let needle = &needles[i];
-            questions.extend(self.tokenizer.encode(&query_text(&needle.city))?);
-            questions.extend(self.tokenizer.encode(&answer_text(&needle.number))?);
-        }
-        if questions.len() >= len {
-            return Err(DataError::Invalid(format!(
-                "needle windows of {len} tokens cannot hold {n} questions ({} tokens)",
-                questions.len()
-            )));
-        }
         let mut haystack = Vec::new();
         while haystack.len() < len {
             haystack.extend(windows.window(rng.below(windows.len())));
         }
-        let context = place(
-            &self.tokenizer,
-            &haystack,
-            needles,
-            0,
-            0.0,
-            len - questions.len(),
-            &mut rng,
-        )?;
-        let mut tokens = context.tokens;
-        tokens.extend(questions);
+        let mut cities: Vec<&str> = TRAIN_CITIES.to_vec();
+        let mut tokens = Vec::with_capacity(len);
+        while tokens.len() < len {
+            let room = len - tokens.len();
+            let mut size = room;
+            if room >= 2 * MIN_DOCUMENT {
+                let u = rng.uniform();
+                size = (MIN_DOCUMENT as f64 * (room as f64 / MIN_DOCUMENT as f64).powf(u)) as usize;
+                if room - size < MIN_DOCUMENT {
+                    size = room;
+                }
+            }
+            let n = (1 + rng.below(self.max_needles as u64) as usize).min(cities.len());
+            let offset = len - room;
+            let doc = self.document(&mut rng, &mut cities, n, &haystack[offset..], size)?;
+            tokens.extend(doc);
+        }
         Ok(tokens)
+    }
+
+    /// One document of exactly `size` tokens with up to `n` needles (fewer when they do not fit;
+    /// none, plain haystack, when not even one does), their cities taken out of `cities`.
+    fn document(
+        &self,
+        rng: &mut Rng,
+        cities: &mut Vec<&str>,
+        n: usize,
+        haystack: &[u32],
+        size: usize,
+    ) -> Result<Vec<u32>> {
+        let mut needles = draw(rng, cities, n.max(1), self.digits)?;
+        let mut order: Vec<usize> = (0..needles.len()).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        loop {
+            let mut questions = Vec::new();
+            let mut needle_tokens = 0;
+            for &i in order.iter().filter(|&&i| i < needles.len()) {
+                let needle = &needles[i];
+                questions.extend(self.tokenizer.encode(&query_text(&needle.city))?);
+                questions.extend(self.tokenizer.encode(&answer_text(&needle.number))?);
+                needle_tokens += self
+                    .tokenizer
+                    .encode(&needle_text(&needle.city, &needle.number))?
+                    .len();
+            }
+            if questions.len() + needle_tokens < size {
+                cities.retain(|c| needles.iter().all(|n| n.city != *c));
+                let context = place(
+                    &self.tokenizer,
+                    haystack,
+                    needles,
+                    0,
+                    0.0,
+                    size - questions.len(),
+                    rng,
+                )?;
+                let mut tokens = context.tokens;
+                tokens.extend(questions);
+                return Ok(tokens);
+            }
+            if needles.len() == 1 {
+                return Ok(haystack[..size].to_vec());
+            }
+            needles.pop();
+        }
     }
 }

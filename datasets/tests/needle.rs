@@ -143,22 +143,42 @@ fn training_mixture_asks_about_every_needle_and_never_uses_eval_cities() {
     let train: HashSet<&str> = TRAIN_CITIES.into_iter().collect();
     let chosen = (0..400).filter(|&p| mix.chooses(p)).count();
     assert!((90..150).contains(&chosen), "{chosen} of 400 chosen at 0.3");
+    let (mut documents, mut close) = (0, 0);
     for position in (0..400).filter(|&p| mix.chooses(p)).take(40) {
         let tokens = mix.window(position, &windows, seq_len + 1).unwrap();
         assert_eq!(tokens.len(), seq_len + 1);
         assert_eq!(tokens, mix.window(position, &windows, seq_len + 1).unwrap());
         let text = tokenizer().decode(&tokens).unwrap();
-        let found: Vec<(String, String)> = needle
+        let found: Vec<(usize, String, String)> = needle
             .captures_iter(&text)
-            .map(|c| (c[1].to_string(), c[2].to_string()))
+            .map(|c| {
+                (
+                    c.get(0).unwrap().start(),
+                    c[1].to_string(),
+                    c[2].to_string(),
+                )
+            })
             .collect();
-        assert!((1..=4).contains(&found.len()), "{found:?}");
-        for (city, number) in &found {
+        assert!(!found.is_empty());
+        let cities: HashSet<&str> = found.iter().map(|f| f.1.as_str()).collect();
+        assert_eq!(cities.len(), found.len(), "a city twice in one window");
+        for (at, city, number) in &found {
             assert!(train.contains(city.as_str()) && !eval.contains(city.as_str()));
             assert_eq!(number.len(), 4);
-            // Asked and answered after the context.
+            // Asked and answered after the needle.
             let qa = format!("{}{}", query_text(city), answer_text(number));
-            assert!(text.contains(&qa), "no question for {city}");
+            let asked = text
+                .find(&qa)
+                .unwrap_or_else(|| panic!("no question for {city}"));
+            assert!(asked > *at);
+            close += (asked - at < 600) as usize;
         }
+        documents += text.matches("What is the special magic number for").count();
     }
+    // Packed documents: several per window on average, many questions near their needle.
+    assert!(documents > 80, "{documents} questions in 40 windows");
+    assert!(
+        close > documents / 3,
+        "{close} of {documents} questions near their needle"
+    );
 }

@@ -302,19 +302,7 @@ pub fn report(runs: &[RunReport; 2], command: &str) -> String {
                     "---|".repeat(layers)
                 );
                 for c in &l.checkpoints {
-                    let v: Vec<String> = c
-                        .mean
-                        .iter()
-                        .zip(&c.std)
-                        .map(|(m, sd)| {
-                            if run.attention == "diff-v2" {
-                                format!("{m:.3} ± {sd:.3}")
-                            } else {
-                                format!("{m:.3}")
-                            }
-                        })
-                        .collect();
-                    let _ = writeln!(s, "| {} | {} |", c.step, v.join(" | "));
+                    let _ = writeln!(s, "| {} | {} |", c.step, l.layers(c).join(" | "));
                 }
                 let _ = writeln!(s, "\n![λ, {}](lambda-{}.svg)\n", run.name, ["a", "b"][i]);
             }

@@ -38,22 +38,25 @@ pub struct Lambdas {
 }
 
 impl Lambdas {
+    /// Each layer's λ at checkpoint `c` as text (V2: mean ± std).
+    pub fn layers(&self, c: &LambdaAt) -> Vec<String> {
+        c.mean
+            .iter()
+            .zip(&c.std)
+            .map(|(m, s)| {
+                if self.attention == "diff-v2" {
+                    format!("{m:.3} ± {s:.3}")
+                } else {
+                    format!("{m:.3}")
+                }
+            })
+            .collect()
+    }
+
     pub fn print(&self) {
         println!("λ per layer ({}):", self.attention);
         for c in &self.checkpoints {
-            let layers: Vec<String> = c
-                .mean
-                .iter()
-                .zip(&c.std)
-                .map(|(m, s)| {
-                    if self.attention == "diff-v2" {
-                        format!("{m:.3}±{s:.3}")
-                    } else {
-                        format!("{m:.3}")
-                    }
-                })
-                .collect();
-            println!("  step {:>7}: {}", c.step, layers.join(" "));
+            println!("  step {:>7}: {}", c.step, self.layers(c).join("  "));
         }
     }
 

@@ -110,7 +110,10 @@ pub fn chart(results: &[(&str, &NllByPosition)]) -> Chart {
             .enumerate()
             .map(|(t, &c)| ((t + 1) as f64, c))
             .collect();
-        chart.series.push(Series::line(name, i, points));
+        chart.series.push(Series {
+            color: plot::color(&r.attention, i),
+            ..Series::line(name, i, points)
+        });
     }
     chart
 }

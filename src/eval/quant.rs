@@ -120,9 +120,14 @@ pub fn chart(results: &[(&str, &Quantization)]) -> Chart {
             .iter()
             .filter_map(|w| w.bits.map(|b| (b as f64, w.delta)))
             .collect();
-        chart.series.push(Series::line(name, i, points.clone()));
+        let color = crate::plot::color(&q.attention, i);
+        chart.series.push(Series {
+            color,
+            ..Series::line(name, i, points.clone())
+        });
         chart.series.push(Series {
             legend: false,
+            color,
             ..Series::points(name, i, points)
         });
     }
