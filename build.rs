@@ -1,4 +1,5 @@
-//! Compiles the recipes under `recipes/` into the binary (see `src/recipe.rs`).
+//! Compiles the recipes under `recipes/` into the binary (see `src/recipe.rs`), and bakes
+//! LibTorch's library directory into the binary's run path (`libtorch_rpath.rs`).
 
 use std::path::{Path, PathBuf};
 
@@ -45,4 +46,8 @@ fn main() {
     );
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("recipes.rs");
     std::fs::write(out, code).expect("write recipes.rs");
+
+    libtorch_rpath();
 }
+
+include!("libtorch_rpath.rs");

@@ -17,6 +17,24 @@ pub const DEVICES: [(&str, &str); 7] = [
     ("cuda:N", "cuda"),
 ];
 
+/// The single-device backends compiled into this binary, as `--device` strings. `cuda:0` is
+/// listed with the `cuda` feature (built only where a GPU is); `tch-cuda:0` never (the `tch`
+/// feature is built with a CPU LibTorch in CI).
+pub fn compiled() -> Vec<&'static str> {
+    vec![
+        #[cfg(feature = "flex")]
+        "flex",
+        #[cfg(feature = "ndarray")]
+        "ndarray",
+        #[cfg(feature = "wgpu")]
+        "wgpu",
+        #[cfg(feature = "tch")]
+        "tch",
+        #[cfg(feature = "cuda")]
+        "cuda:0",
+    ]
+}
+
 /// `Ok(device)` when `feature` is compiled in, else an error saying which feature to enable.
 macro_rules! backend {
     ($spec:expr, $feature:literal, $make:expr) => {{
@@ -61,8 +79,9 @@ pub fn parse(spec: &str) -> Result<Device> {
         ("tch-cuda", Some(_i)) => backend!(spec, "tch", Device::libtorch_cuda(_i)),
         ("cuda", Some(_i)) => backend!(spec, "cuda", Device::cuda(_i)),
         _ => bail!(
-            "unknown device `{spec}`: expected one of {}",
-            DEVICES.map(|(d, _)| d).join(", ")
+            "unknown device `{spec}`: expected one of {} (compiled in: {})",
+            DEVICES.map(|(d, _)| d).join(", "),
+            compiled().join(", ")
         ),
     }
 }

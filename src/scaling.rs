@@ -437,8 +437,10 @@ mod tests {
         let svg = svg(&report);
         assert!(
             svg.starts_with("<svg")
-                && svg.contains("polyline")
-                && svg.matches("<circle").count() == 8 + 2
+                && svg.matches("<polyline").count() == 2
+                && svg.matches("<circle").count() == 8
+                && svg.contains(">diff<")
+                && svg.contains(">transformer<")
         );
     }
 

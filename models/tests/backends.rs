@@ -1,14 +1,14 @@
-//! The same weights give the same outputs on every CPU backend compiled in (Flex is the
+//! The same weights give the same outputs on every backend compiled in (Flex is the
 //! reference).
 
 mod common;
 
 use burn::tensor::Device;
-use common::{CASES, Io, assert_close, case_config, cpu_backends, load_model};
+use common::{CASES, Io, assert_close, backends, case_config, load_model, tolerance};
 
 #[test]
 fn every_backend_matches_flex_on_every_variant() {
-    let backends = cpu_backends();
+    let backends = backends();
     assert!(
         backends.len() >= 2,
         "build with both `flex` and `ndarray` to compare backends"
@@ -28,7 +28,7 @@ fn every_backend_matches_flex_on_every_variant() {
                 &format!("{case}: {name} vs flex"),
                 logits(device),
                 reference.clone(),
-                1e-5,
+                tolerance(name),
                 1e-5,
             );
         }

@@ -1,24 +1,25 @@
 //! Golden numerics against the PyTorch reference (`tests/reference/reference.py`): logits,
 //! one block's attention output, the loss and the gradients of the λ parameters, for the three
-//! variants under MHA and GQA, through both the explicit and the fused attention path.
+//! variants under MHA and GQA, through both the explicit and the fused attention path, on every
+//! backend compiled in.
 
 mod common;
 
 use burn::module::Param;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::{Device, Tensor};
-use common::{CASES, Io, assert_close, case_config, load_model};
+use common::{CASES, Io, assert_close, backends, case_config, load_model, tolerance};
 use diffzoo_models::Attention;
-
-const ATOL: f32 = 1e-5;
-
-fn device() -> Device {
-    Device::flex()
-}
 
 #[test]
 fn logits_match_the_reference() {
-    let device = device();
+    for (backend, device) in backends() {
+        logits_on(backend, &device);
+    }
+}
+
+fn logits_on(backend: &str, device: &Device) {
+    let (device, atol) = (device.clone(), tolerance(backend));
     for (case, attention, d_model, heads, kv_heads) in CASES {
         let io = Io::load(case);
         for fused in [false, true] {
@@ -27,10 +28,10 @@ fn logits_match_the_reference() {
             let model = load_model(case, &config, &device);
             let logits = model.forward(io.int::<2>("tokens", &device));
             assert_close(
-                &format!("{case} logits (fused {fused})"),
+                &format!("{backend}: {case} logits (fused {fused})"),
                 logits,
                 io.float::<3>("logits", &device),
-                ATOL,
+                atol,
                 1e-5,
             );
         }
@@ -39,7 +40,13 @@ fn logits_match_the_reference() {
 
 #[test]
 fn attention_output_matches_the_reference() {
-    let device = device();
+    for (backend, device) in backends() {
+        attention_on(backend, &device);
+    }
+}
+
+fn attention_on(backend: &str, device: &Device) {
+    let (device, atol) = (device.clone(), tolerance(backend));
     for (case, attention, d_model, heads, kv_heads) in CASES {
         let io = Io::load(case);
         let config = case_config(attention, d_model, heads, kv_heads);
@@ -49,22 +56,34 @@ fn attention_output_matches_the_reference() {
             .attn
             .forward(io.float::<3>("attn_in", &device), &model.rope);
         assert_close(
-            &format!("{case} attention"),
+            &format!("{backend}: {case} attention"),
             out.clone(),
             io.float::<3>("attn_out", &device),
-            ATOL,
+            atol,
             1e-5,
         );
         let (probed, _) = block
             .attn
             .forward_probe(io.float::<3>("attn_in", &device), &model.rope);
-        assert_close(&format!("{case} probed attention"), probed, out, ATOL, 1e-5);
+        assert_close(
+            &format!("{backend}: {case} probed attention"),
+            probed,
+            out,
+            atol,
+            1e-5,
+        );
     }
 }
 
 #[test]
 fn loss_and_lambda_gradients_match_the_reference() {
-    let device = device().autodiff();
+    for (backend, device) in backends() {
+        gradients_on(backend, &device);
+    }
+}
+
+fn gradients_on(backend: &str, device: &Device) {
+    let (device, atol) = (device.clone().autodiff(), tolerance(backend));
     for (case, attention, d_model, heads, kv_heads) in CASES {
         let io = Io::load(case);
         let config = case_config(attention, d_model, heads, kv_heads);
@@ -76,10 +95,10 @@ fn loss_and_lambda_gradients_match_the_reference() {
             io.int::<2>("targets", &device).reshape([b * s]),
         );
         assert_close(
-            &format!("{case} loss"),
+            &format!("{backend}: {case} loss"),
             loss.clone(),
             io.float::<1>("loss", &device),
-            ATOL,
+            atol,
             1e-5,
         );
         let grads = loss.backward();
@@ -93,10 +112,10 @@ fn loss_and_lambda_gradients_match_the_reference() {
                     _ => io.float::<2>(&key, &device),
                 };
                 assert_close(
-                    &format!("{case} {prefix}{name}"),
+                    &format!("{backend}: {case} {prefix}{name}"),
                     grad,
                     expected,
-                    ATOL,
+                    atol,
                     1e-4,
                 );
                 checked += 1;

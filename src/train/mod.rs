@@ -9,6 +9,8 @@ pub mod checkpoint;
 pub mod grads;
 pub mod loader;
 pub mod metrics;
+#[cfg(test)]
+mod parity;
 mod quiet;
 pub mod schedule;
 pub mod step;

@@ -142,14 +142,32 @@ pub fn tokens(
     Tensor::from_data(TensorData::new(values, [batch, seq]), device)
 }
 
-/// Every CPU backend compiled in, by name. (NdArray is deprecated upstream in favour of Flex;
-/// we keep supporting it.)
+/// Every backend compiled in, by name (`cuda` only where a GPU is present). NdArray and
+/// LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
 #[allow(deprecated)]
-pub fn cpu_backends() -> Vec<(&'static str, Device)> {
+pub fn backends() -> Vec<(&'static str, Device)> {
     vec![
         #[cfg(feature = "flex")]
         ("flex", Device::flex()),
         #[cfg(feature = "ndarray")]
         ("ndarray", Device::ndarray()),
+        #[cfg(feature = "wgpu")]
+        (
+            "wgpu",
+            Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
+        ),
+        #[cfg(feature = "tch")]
+        ("tch", Device::libtorch()),
+        #[cfg(feature = "cuda")]
+        ("cuda", Device::cuda(0)),
     ]
+}
+
+/// Absolute tolerance against the PyTorch reference, per backend: the CPU backends agree to
+/// 1e-5; GPU kernels (and WGPU's software Vulkan) sum in other orders and use their own `exp`.
+pub fn tolerance(backend: &str) -> f32 {
+    match backend {
+        "wgpu" | "cuda" => 1e-4,
+        _ => 1e-5,
+    }
 }

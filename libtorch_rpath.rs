@@ -1,0 +1,13 @@
+// Included by the build scripts of all three crates: when LIBTORCH is set (`.cargo/config.toml`
+// sets it to where `.ci/setup tch` puts a CPU LibTorch), its library directory is baked into the
+// run path of the crate's binaries and test binaries — any of which links LibTorch when the
+// workspace is built with the `tch` feature — so that nothing needs `LD_LIBRARY_PATH`.
+
+fn libtorch_rpath() {
+    println!("cargo:rerun-if-env-changed=LIBTORCH");
+    if let Some(libtorch) = std::env::var_os("LIBTORCH") {
+        let lib = std::path::Path::new(&libtorch).join("lib");
+        let lib = lib.canonicalize().unwrap_or(lib);
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+    }
+}
