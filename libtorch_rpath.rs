@@ -5,6 +5,11 @@
 
 fn libtorch_rpath() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_USE_PYTORCH");
+    // With LIBTORCH_USE_PYTORCH, torch-sys links the Python environment's LibTorch, not LIBTORCH.
+    if std::env::var_os("LIBTORCH_USE_PYTORCH").is_some() {
+        return;
+    }
     if let Some(libtorch) = std::env::var_os("LIBTORCH") {
         let lib = std::path::Path::new(&libtorch).join("lib");
         let lib = lib.canonicalize().unwrap_or(lib);

@@ -729,6 +729,9 @@ fn every_analysis_runs_on_micro_runs_and_compare_writes_a_report() {
     assert!(delta(1) < 1e-4, "16 bits: {}", delta(1));
     assert!(delta(2) > delta(1), "4 bits must cost more than 16");
 
+    let err = fails(&["eval", "quant", "--run", run, "--max-batches", "0"]);
+    assert!(err.contains("--max-batches must be positive"), "{err}");
+
     let lambda = json(&["eval", "lambda", "--run", run, "--json"]);
     let steps: Vec<u64> = lambda["checkpoints"]
         .as_array()

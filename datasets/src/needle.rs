@@ -250,6 +250,12 @@ pub fn place(
             "needle depth {depth} is outside [0, 1]"
         )));
     }
+    if answers > needles.len() {
+        return Err(DataError::Invalid(format!(
+            "{answers} queried needles but only {} needles",
+            needles.len()
+        )));
+    }
     let encoded: Vec<Vec<u32>> = needles
         .iter()
         .map(|n| tokenizer.encode(&needle_text(&n.city, &n.number)))
@@ -328,7 +334,9 @@ impl NeedleMix {
     }
 
     /// The most tokens the needles, questions and answers of one document can take (all
-    /// `max_needles` with the longest-encoding cities); a window must be longer.
+    /// `max_needles` with the longest-encoding cities), counting numbers as all nines — exact
+    /// for the byte-level BPEs trained here, where every digit is one token; a window must be
+    /// longer. (Documents that would not fit drop needles, so this only guards the recipe.)
     pub fn worst_case_tokens(&self) -> Result<usize> {
         let number = "9".repeat(self.digits);
         let mut costs = TRAIN_CITIES
@@ -370,6 +378,11 @@ impl NeedleMix {
             }
             let n = (1 + rng.below(self.max_needles as u64) as usize).min(cities.len());
             let offset = len - room;
+            if n == 0 {
+                // Every training city is used: the rest of the window is plain text.
+                tokens.extend_from_slice(&haystack[offset..len]);
+                break;
+            }
             let doc = self.document(&mut rng, &mut cities, n, &haystack[offset..], size)?;
             tokens.extend(doc);
         }
@@ -386,7 +399,7 @@ impl NeedleMix {
         haystack: &[u32],
         size: usize,
     ) -> Result<Vec<u32>> {
-        let mut needles = draw(rng, cities, n.max(1), self.digits)?;
+        let mut needles = draw(rng, cities, n, self.digits)?;
         let mut order: Vec<usize> = (0..needles.len()).collect();
         for i in (1..order.len()).rev() {
             order.swap(i, rng.below(i as u64 + 1) as usize);

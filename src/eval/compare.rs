@@ -62,10 +62,10 @@ pub struct RunReport {
     pub lambda: Option<Lambdas>,
 }
 
-fn measure(args: &CompareArgs, dir: &Path, name: &str) -> Result<RunReport> {
+fn measure(args: &CompareArgs, grid: &GridArgs, dir: &Path, name: &str) -> Result<RunReport> {
     let loaded = Loaded::open(dir, &args.device)?;
     eprintln!("{name}: {}", loaded.weights);
-    let grid = args.grid.resolve(&loaded)?;
+    let grid = grid.resolve(&loaded)?;
     let step = |what: &str| eprintln!("{name}: {what}");
     step("validation loss");
     let ppl = ppl::measure(&loaded, None, Some(args.max_batches))?;
@@ -313,10 +313,15 @@ pub fn report(runs: &[RunReport; 2], command: &str) -> String {
 
 pub fn run(args: &CompareArgs) -> Result<()> {
     let [na, nb] = names(&args.run_a, &args.run_b);
-    let runs = [
-        measure(args, &args.run_a, &na)?,
-        measure(args, &args.run_b, &nb)?,
-    ];
+    let a = measure(args, &args.grid, &args.run_a, &na)?;
+    // Both runs get the same needle prompts: lengths and digits as resolved for RUN_A.
+    let same = GridArgs {
+        lengths: Some(a.needle.grid.lengths.clone()),
+        digits: Some(a.needle.grid.digits),
+        ..args.grid.clone()
+    };
+    let b = measure(args, &same, &args.run_b, &nb)?;
+    let runs = [a, b];
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let out = |f: &str| args.out.join(f);

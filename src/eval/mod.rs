@@ -101,7 +101,10 @@ impl Loaded {
         model: &Model,
         windows: &TokenWindows,
         batches: Option<usize>,
-    ) -> (f64, u64, u64) {
+    ) -> Result<(f64, u64, u64)> {
+        if batches == Some(0) {
+            bail!("--max-batches must be positive");
+        }
         let micro = self.recipe.training.micro_batch as u64;
         let all = windows.len().div_ceil(micro);
         let batches = batches.map_or(all, |m| all.min(m as u64));
@@ -117,7 +120,7 @@ impl Loaded {
             sum += loss * (n * s) as f64;
             tokens += (n * s) as u64;
         }
-        (sum / tokens as f64, tokens, count)
+        Ok((sum / tokens as f64, tokens, count))
     }
 }
 

@@ -4,7 +4,8 @@
 //! For each cell (N needles, R queried, depth, length) and each of `samples` samples: a window
 //! of held-out text is the haystack, N needles of evaluation-only cities go in (the R queried
 //! together at the depth, the others at random), and for each queried city the prompt ends
-//! with its question, cut so that question and answer end exactly at `length` tokens. The
+//! with its question; the context is cut so that the longest question with its answer ends
+//! exactly at `length` tokens (shorter questions end a few tokens earlier). The
 //! answer counts when greedy decoding produces it exactly (the digits and the closing period).
 //! Greedy decoding is scored in one forward pass: it produces the answer exactly when every
 //! answer token is the argmax given the prompt and the answer tokens before it. A sample's score

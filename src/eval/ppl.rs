@@ -52,7 +52,7 @@ pub fn measure(
         }
         None => (loaded.validation_windows()?, loaded.shards.dir.clone()),
     };
-    let (loss, tokens, count) = loaded.validation_loss(&loaded.model, &windows, batches);
+    let (loss, tokens, count) = loaded.validation_loss(&loaded.model, &windows, batches)?;
     Ok(Perplexity {
         weights: loaded.weights.to_string(),
         data: dir.display().to_string(),

@@ -84,7 +84,7 @@ pub fn measure(
     let mut base = None;
     for b in std::iter::once(0).chain(bits.iter().copied()) {
         let model = loaded.model.clone().with_logit_bits(b);
-        let (loss, t, _) = loaded.validation_loss(&model, &windows, Some(batches));
+        let (loss, t, _) = loaded.validation_loss(&model, &windows, Some(batches))?;
         tokens = t;
         let base_loss = *base.get_or_insert(loss);
         let accuracy = match &grid {
