@@ -83,11 +83,17 @@ impl Loaded {
 
     /// Validation windows of the run's sequence length, refusing a split shorter than one.
     pub fn validation_windows(&self) -> Result<TokenWindows> {
-        let windows = TokenWindows::new(self.validation()?, self.recipe.data.seq_len);
+        self.validation_windows_of(&self.shards)
+    }
+
+    /// The same over other shards (of this run's tokenizer).
+    pub fn validation_windows_of(&self, shards: &Shards) -> Result<TokenWindows> {
+        let windows =
+            TokenWindows::new(shards.tokens(Split::Validation)?, self.recipe.data.seq_len);
         if windows.is_empty() {
             bail!(
                 "{}: the validation split is shorter than one window of {} tokens",
-                self.shards.dir.display(),
+                shards.dir.display(),
                 self.recipe.data.seq_len
             );
         }

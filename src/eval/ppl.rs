@@ -2,7 +2,7 @@
 
 use super::{Common, Loaded, emit};
 use anyhow::Result;
-use diffzoo_datasets::{Shards, Split, TokenWindows};
+use diffzoo_datasets::Shards;
 use serde::Serialize;
 use std::path::PathBuf;
 
@@ -37,17 +37,7 @@ pub fn measure(
         Some(dir) => {
             let shards = Shards::open(dir)?;
             shards.check_tokenizer(loaded.tokenizer.hash())?;
-            let windows = TokenWindows::new(
-                shards.tokens(Split::Validation)?,
-                loaded.recipe.data.seq_len,
-            );
-            if windows.is_empty() {
-                anyhow::bail!(
-                    "{}: the validation split is shorter than one window of {} tokens",
-                    dir.display(),
-                    loaded.recipe.data.seq_len
-                );
-            }
+            let windows = loaded.validation_windows_of(&shards)?;
             (windows, dir.clone())
         }
         None => (loaded.validation_windows()?, loaded.shards.dir.clone()),
