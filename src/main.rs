@@ -1,5 +1,6 @@
 //! `diffzoo`: train, compare and sample DIFF Transformers and their baseline.
 
+mod bench;
 mod data;
 mod device;
 mod eval;
@@ -51,6 +52,9 @@ enum Command {
         #[command(subcommand)]
         command: ScalingCommand,
     },
+    /// Tokens per second and peak memory of a forward pass and a training step, per backend and
+    /// variant, optionally beside PyTorch eager on the same machine.
+    Bench(bench::BenchArgs),
     /// Prepare token shards.
     Data {
         #[command(subcommand)]
@@ -151,6 +155,7 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Scaling { command } => match command {
             ScalingCommand::Fit(args) => scaling::run(&args),
         },
+        Command::Bench(args) => bench::run(&args),
         Command::Data { command } => match command {
             DataCommand::Prepare(args) => data::prepare(&args),
         },

@@ -1,6 +1,7 @@
 //! End-to-end tests of the `diffzoo` binary on the `micro` recipes: training, checkpoints,
 //! exact resume, generation, evaluation, data preparation and every recipe validation error.
 
+use diffzoo_models::{AttentionKind, ModelConfig};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -863,4 +864,103 @@ fn micro_trains_alike_on_every_backend() {
             );
         }
     }
+}
+
+#[test]
+fn bench_measures_every_variant_and_compares_with_a_torch_harness() {
+    let shape = [
+        "--size", "64x2x4", "--seq", "16", "--batch", "2", "--vocab", "128", "--reps", "2",
+        "--warmup", "1",
+    ];
+    let report = json(&[&["bench", "--device", "flex", "--json"], &shape[..]].concat());
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 3);
+    let num = |row: &Value, key: &str| row[key].as_f64().unwrap();
+    let baseline_step = num(&rows[0], "step_tokens_per_sec");
+    for (row, attention) in rows.iter().zip(AttentionKind::ALL) {
+        assert_eq!(row["attention"], attention.as_str());
+        let config = ModelConfig::new(attention, 64, 2, 4, 128, 16);
+        assert_eq!(row["params"].as_u64().unwrap(), config.param_count().total);
+        let step = num(row, "step_tokens_per_sec");
+        assert!(step > 0.0 && num(row, "forward_tokens_per_sec") > 0.0);
+        let flops = step * config.flops_per_token(16).training;
+        assert!((num(row, "train_flops_per_sec") - flops).abs() <= 1e-9 * flops);
+        let ratio = num(row, "step_time_vs_transformer");
+        assert!((ratio - baseline_step / step).abs() <= 1e-12 * ratio);
+        #[cfg(target_os = "linux")]
+        assert!(row["peak_bytes"].as_u64().unwrap() > 0);
+        assert!(row["torch"].is_null());
+    }
+
+    // The PyTorch side through a stand-in for Python that prints what the harness would.
+    let dir = tempfile::tempdir().unwrap();
+    let fake = |params: u64| {
+        let script = dir.path().join(format!("python-{params}"));
+        let result = format!(
+            r#"{{"attention":"diff","params":{params},"forward_tokens_per_sec":1000.0,"step_tokens_per_sec":100.0,"peak_bytes":1000}}"#
+        );
+        std::fs::write(
+            &script,
+            format!(
+                "#!/bin/sh\necho '{{\"torch\":\"2.9.0\",\"threads\":2,\"device\":\"cpu\",\"attention_impl\":\"sdpa\",\"results\":[{result}]}}'\n"
+            ),
+        )
+        .unwrap();
+        std::process::Command::new("chmod")
+            .args(["+x", path(&script)])
+            .status()
+            .unwrap();
+        script
+    };
+    let diff = ModelConfig::new(AttentionKind::Diff, 64, 2, 4, 128, 16);
+    let right = fake(diff.param_count().total);
+    let args = [
+        &[
+            "bench",
+            "--attention",
+            "diff",
+            "--torch",
+            "--json",
+            "--python",
+            path(&right),
+        ],
+        &shape[..],
+    ]
+    .concat();
+    let report = json(&args);
+    let row = &report["rows"][0];
+    assert_eq!(report["torch"][0]["version"], "2.9.0");
+    assert_eq!(row["torch"]["step_tokens_per_sec"], 100.0);
+    let vs = &row["vs_torch"];
+    assert_eq!(
+        vs["step"].as_f64().unwrap(),
+        num(row, "step_tokens_per_sec") / 100.0
+    );
+    assert_eq!(
+        vs["forward"].as_f64().unwrap(),
+        num(row, "forward_tokens_per_sec") / 1000.0
+    );
+    let wrong = fake(7);
+    let err = fails(
+        &[
+            &[
+                "bench",
+                "--attention",
+                "diff",
+                "--torch",
+                "--python",
+                path(&wrong),
+            ],
+            &shape[..],
+        ]
+        .concat(),
+    );
+    assert!(err.contains("not the same model"), "{err}");
+
+    let err = fails(&["bench", "--size", "192x2x3", "--attention", "diff"]);
+    assert!(err.contains("diff model of this size is invalid"), "{err}");
+    let err = fails(&["bench", "--size", "huge"]);
+    assert!(err.contains("--size `huge`"), "{err}");
+    let err = fails(&["bench", "--dtype", "f8"]);
+    assert!(err.contains("dtype `f8`"), "{err}");
 }

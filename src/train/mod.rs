@@ -16,7 +16,7 @@ pub mod schedule;
 pub mod step;
 
 use crate::device;
-use crate::recipe::{self, NeedleSection, Recipe};
+use crate::recipe::{self, NeedleSection, OptimizerSection, Recipe};
 use crate::run;
 use anyhow::{Context, Result, anyhow, bail};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
@@ -60,30 +60,31 @@ pub struct TrainArgs {
     pub no_dashboard: bool,
 }
 
-/// The float dtype a recipe asks for.
-pub fn float_dtype(recipe: &Recipe) -> FloatDType {
-    match recipe.training.dtype.as_str() {
-        "bf16" => FloatDType::BF16,
-        "f16" => FloatDType::F16,
-        _ => FloatDType::F32,
+/// A float dtype by its recipe name (`f32`, `bf16`, `f16`; validated recipes hold no other).
+pub fn float_dtype(name: &str) -> Result<FloatDType> {
+    match name {
+        "f32" => Ok(FloatDType::F32),
+        "bf16" => Ok(FloatDType::BF16),
+        "f16" => Ok(FloatDType::F16),
+        other => bail!("dtype `{other}`: expected f32, bf16 or f16"),
     }
 }
 
-/// Sets the device's float dtype (before any tensor exists), refusing what it cannot run.
-pub fn configure_dtype(device: &mut Device, recipe: &Recipe, spec: &str) -> Result<()> {
-    let dtype = float_dtype(recipe);
+/// Sets the device's float dtype to the one named (before any tensor exists), refusing what the
+/// device cannot run; `setting` names where the dtype came from in the error.
+pub fn configure_dtype(device: &mut Device, name: &str, spec: &str, setting: &str) -> Result<()> {
+    let dtype = float_dtype(name)?;
     if dtype == FloatDType::F32 {
         return Ok(());
     }
     if !device.supports_dtype(dtype) {
         bail!(
-            "device `{spec}` does not support `training.dtype = \"{}\"`; use f32 or another device",
-            recipe.training.dtype
+            "device `{spec}` does not support `{setting} = \"{name}\"`; use f32 or another device"
         );
     }
     device
         .configure(DeviceConfig::default().float_dtype(dtype))
-        .map_err(|e| anyhow!("configuring {spec} for {}: {e:?}", recipe.training.dtype))
+        .map_err(|e| anyhow!("configuring {spec} for {name}: {e:?}"))
 }
 
 /// The recipe as stored in the run, with the device (which may change on resume) neutralised.
@@ -169,8 +170,7 @@ fn truncate_log(path: &Path, step: usize) -> Result<()> {
 }
 
 /// The optimizer: AdamW (decoupled decay) with no decay on parameters matching `no_decay`.
-fn optimizer(recipe: &Recipe) -> Result<burn::optim::ModuleOptimizer> {
-    let o = &recipe.optimizer;
+pub fn optimizer(o: &OptimizerSection) -> Result<burn::optim::ModuleOptimizer> {
     let adamw = |weight_decay: f64| {
         AdamWConfig::new()
             .with_beta_1(o.betas[0] as f32)
@@ -193,7 +193,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         .clone()
         .unwrap_or_else(|| recipe.training.device.clone());
     let mut device = device::parse(&spec)?;
-    configure_dtype(&mut device, recipe, &spec)?;
+    configure_dtype(&mut device, &recipe.training.dtype, &spec, "training.dtype")?;
     let dir = args
         .out
         .clone()
@@ -331,7 +331,11 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         training = training.checkpoint(resume_from);
     }
     let scheduler = ModuleLrScheduler::new(ScheduleState::new(schedule));
-    let result = training.launch(Learner::new(trainee, optimizer(recipe)?, scheduler));
+    let result = training.launch(Learner::new(
+        trainee,
+        optimizer(&recipe.optimizer)?,
+        scheduler,
+    ));
 
     if let Some(failure) = context.failure() {
         bail!("{failure}");

@@ -74,7 +74,7 @@ fn one_step(reference: &Model, device: &Device, attention: AttentionKind) -> Ste
     for p in watched(&model) {
         grads.extend(values(g.get::<1>(p.id).expect("λ gradient")));
     }
-    let model = optimizer(&micro).unwrap().step(1e-3, model, g);
+    let model = optimizer(&micro.optimizer).unwrap().step(1e-3, model, g);
     let mut updated = values(q_proj(&model).val());
     for p in watched(&model) {
         updated.extend(values(p.val()));

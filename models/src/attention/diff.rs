@@ -20,7 +20,7 @@
 
 use super::{
     AttentionProbe, causal_logits, fused_causal_attention, merge_heads, projection, repeat_kv,
-    split_heads,
+    rotary_heads, split_heads,
 };
 use crate::config::{ModelConfig, lambda_init};
 use burn::module::{Module, Param};
@@ -100,11 +100,8 @@ impl DiffAttention {
     /// Q `[B, H', 2, S, d]`, K `[B, H', 2, S, d]` (GQA-repeated) and V `[B, H', S, 2d]`.
     fn qkv(&self, x: Tensor<3>, rope: &RotaryEncoding) -> (Tensor<5>, Tensor<5>, Tensor<4>) {
         let n_rep = self.heads / self.kv_heads;
-        let q = rope.forward(split_heads(self.q_proj.forward(x.clone()), 2 * self.heads));
-        let k = rope.forward(split_heads(
-            self.k_proj.forward(x.clone()),
-            2 * self.kv_heads,
-        ));
+        let q = rotary_heads(self.q_proj.forward(x.clone()), 2 * self.heads, rope);
+        let k = rotary_heads(self.k_proj.forward(x.clone()), 2 * self.kv_heads, rope);
         let v = split_heads(self.v_proj.forward(x), self.kv_heads);
         let [b, _, s, d] = q.dims();
         let q = q.reshape([b, self.heads, 2, s, d]);

@@ -17,7 +17,7 @@
 
 use super::{
     AttentionProbe, causal_logits, causal_softmax, fused_causal_attention, merge_heads, projection,
-    repeat_kv, split_heads,
+    repeat_kv, rotary_heads, split_heads,
 };
 use crate::config::ModelConfig;
 use burn::module::Module;
@@ -71,8 +71,8 @@ impl DiffV2Attention {
     /// Q, K and V with 2H heads each (K and V GQA-repeated), `[B, 2H, S, d]`.
     fn qkv(&self, x: Tensor<3>, rope: &RotaryEncoding) -> [Tensor<4>; 3] {
         let n_rep = 2 * self.heads / self.kv_heads;
-        let q = rope.forward(split_heads(self.q_proj.forward(x.clone()), 2 * self.heads));
-        let k = rope.forward(split_heads(self.k_proj.forward(x.clone()), self.kv_heads));
+        let q = rotary_heads(self.q_proj.forward(x.clone()), 2 * self.heads, rope);
+        let k = rotary_heads(self.k_proj.forward(x.clone()), self.kv_heads, rope);
         let v = split_heads(self.v_proj.forward(x), self.kv_heads);
         [q, repeat_kv(k, n_rep), repeat_kv(v, n_rep)]
     }

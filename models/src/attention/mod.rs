@@ -119,6 +119,35 @@ pub(crate) fn split_heads(x: Tensor<3>, heads: usize) -> Tensor<4> {
     x.reshape([b, s, heads, width / heads]).swap_dims(1, 2)
 }
 
+/// `[B, S, heads·d]` → RoPE-rotated heads `[B, heads, S, d]`. Adjacent pairs (GPT-J layout) turn
+/// by position t times θᵢ:
+///
+/// ```text
+/// out[2i]   = x[2i]·cos(tθᵢ) − x[2i+1]·sin(tθᵢ)
+/// out[2i+1] = x[2i+1]·cos(tθᵢ) + x[2i]·sin(tθᵢ)
+/// ```
+///
+/// i.e. `x ⊙ cos + swap(x) ⊙ (∓sin)` with `swap` exchanging each pair, computed in the
+/// projection's own `[B, S, heads, d]` layout from the tables of Burn's `RotaryEncoding` (whose
+/// `forward` does the same through a small matmul on a rearranged copy, several times slower).
+pub(crate) fn rotary_heads(x: Tensor<3>, heads: usize, rope: &RotaryEncoding) -> Tensor<4> {
+    let [b, s, width] = x.dims();
+    let d = width / heads;
+    let (device, dtype) = (x.device(), x.dtype());
+    // [S, d, 2]: cos and sin of tθᵢ, each repeated for both members of pair i.
+    let table = rope.freq_complex.clone().narrow(0, 0, s);
+    let cos = table.clone().narrow(2, 0, 1).reshape([1, s, 1, d]);
+    let sign = Tensor::<1>::from_floats([-1.0, 1.0], &device).reshape([1, 1, 2]);
+    let sin = (table.narrow(2, 1, 1).reshape([s, d / 2, 2]) * sign).reshape([1, s, 1, d]);
+    let x = x.reshape([b, s, heads, d]);
+    let swapped = x
+        .clone()
+        .reshape([b, s, heads, d / 2, 2])
+        .flip([4])
+        .reshape([b, s, heads, d]);
+    (x * cos.cast(dtype) + swapped * sin.cast(dtype)).swap_dims(1, 2)
+}
+
 /// `[B, heads, S, dim]` → `[B, S, heads·dim]`.
 pub(crate) fn merge_heads(x: Tensor<4>) -> Tensor<3> {
     let [b, h, s, dim] = x.dims();

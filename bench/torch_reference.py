@@ -1,0 +1,267 @@
+"""PyTorch eager twin of `diffzoo bench`: the same model, shapes, step and thread count, timed
+the same way, printed as one JSON object that `diffzoo bench --torch` reads.
+
+The model is the golden reference (`models/tests/reference/reference.py`: same parameters, same
+names, same equations) with its attention written the way a PyTorch user would: batched over
+heads, through `F.scaled_dot_product_attention` (`--attention-impl sdpa`, the default; on CPU
+a fused flash-attention kernel forward and backward) or as explicit matmul + softmax maps
+(`--attention-impl explicit`, the algorithm Burn's autodiff runs). Before timing, each variant's
+vectorised forward pass is checked against the reference's head-by-head one.
+
+A training step is what diffzoo's is: forward, mean cross-entropy, backward, gradients clipped
+to global norm 1.0, AdamW (decoupled weight decay 0.1, betas 0.9/0.95); the loss is read back
+each step, as the trainer does. Forward throughput is a `torch.no_grad()` forward pass.
+
+Peak memory: on CPU the growth of the process's peak resident set over its size before the model
+was built (Linux `VmHWM`, reset through `/proc/self/clear_refs`); on CUDA the allocator's peak
+reservation.
+
+    python bench/torch_reference.py --attention transformer,diff --d-model 256 --layers 4 \
+        --heads 4 --vocab 4096 --seq 256 --batch 8 --threads 2
+"""
+
+import argparse
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models" / "tests" / "reference"))
+import reference  # noqa: E402
+
+IMPL = "sdpa"
+# Parameters without weight decay: diffzoo's default `optimizer.no_decay`.
+NO_DECAY = r"norm|subln|embed|lambda_[qk][12]"
+
+
+def attend(q, k, v):
+    """Causal attention of q [B, H, S, d] over k [B, H_kv, S, d], v [B, H_kv, S, d_v]."""
+    if IMPL == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
+    s = q.shape[-2]
+    logits = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=q.device), 1)
+    return torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1) @ v
+
+
+def rope(x, theta):
+    """reference.rope, with its tables built on x's device and in x's dtype."""
+    s, d = x.shape[-2], x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    angles = torch.arange(s, dtype=torch.float32, device=x.device)[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+class TransformerAttention(reference.TransformerAttention):
+    def forward(self, x):
+        q = rope(reference.heads(self.q_proj(x), self.h), self.theta)
+        k = rope(reference.heads(self.k_proj(x), self.h_kv), self.theta)
+        v = reference.heads(self.v_proj(x), self.h_kv)
+        return self.o_proj(reference.merge(attend(q, k, v)))
+
+
+class DiffAttention(reference.DiffAttention):
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = rope(reference.heads(self.q_proj(x), 2 * self.h), self.theta)
+        k = rope(reference.heads(self.k_proj(x), 2 * self.h_kv), self.theta)
+        v = reference.heads(self.v_proj(x), self.h_kv)
+        q = q.view(b, self.h, 2, s, self.d)
+        k = k.view(b, self.h_kv, 2, s, self.d)
+        a1v = attend(q[:, :, 0], k[:, :, 0], v)
+        a2v = attend(q[:, :, 1], k[:, :, 1], v)
+        lam = self.lam().to(x.dtype)
+        o = self.subln(a1v - lam * a2v) * (1 - self.lambda_init)
+        return self.o_proj(reference.merge(o))
+
+
+class DiffV2Attention(reference.DiffV2Attention):
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = rope(reference.heads(self.q_proj(x), 2 * self.h), self.theta)
+        k = rope(reference.heads(self.k_proj(x), self.h_kv), self.theta)
+        v = reference.heads(self.v_proj(x), self.h_kv)
+        o = attend(q, k, v).view(b, self.h, 2, s, -1)
+        lam = torch.sigmoid(self.lambda_proj(x).float()).to(x.dtype)  # [B, S, H]
+        out = o[:, :, 0] - lam.transpose(1, 2)[..., None] * o[:, :, 1]
+        return self.o_proj(reference.merge(out))
+
+
+FAST = {"transformer": TransformerAttention, "diff": DiffAttention, "diff-v2": DiffV2Attention}
+
+
+def vectorised(model):
+    """Gives every block's attention its batched forward pass (subclasses: same parameters)."""
+    for block in model.blocks:
+        block.attn.__class__ = next(c for c in FAST.values() if isinstance(block.attn, c.__bases__[0]))
+    return model
+
+
+def build(args, attention):
+    return reference.Model(attention, args.d_model, args.layers, args.heads, args.kv_heads or args.heads,
+                           args.vocab, 10000.0)
+
+
+def check(attention, heads, kv_heads):
+    """The batched attention gives the reference's head-by-head logits."""
+    torch.manual_seed(0)
+    model = reference.Model(attention, 8 * heads, 2, heads, kv_heads, 64, 10000.0)
+    tokens = torch.randint(0, 64, (2, 19))
+    with torch.no_grad():
+        want = model(tokens)
+        got = vectorised(model)(tokens)
+    worst = (got - want).abs().max().item()
+    if worst > 1e-5:
+        sys.exit(f"torch_reference.py: the batched {attention} attention differs from the reference by {worst}")
+
+
+class PeakMemory:
+    """Peak memory growth during a measurement (see the module doc)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.base = self._rss("VmRSS") if device.type == "cpu" else 0
+
+    @staticmethod
+    def _rss(field):
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+    def reset(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+    def peak(self):
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_reserved(self.device)
+        hwm = self._rss("VmHWM")
+        return None if hwm is None or self.base is None else max(hwm - self.base, 0)
+
+
+def timed(fn, warmup, reps, sync):
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(args, attention, device, dtype):
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    memory = PeakMemory(device)
+    torch.manual_seed(args.seed)
+    model = vectorised(build(args, attention)).to(device=device, dtype=dtype)
+    params = sum(p.numel() for p in model.parameters())
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    n = args.batch * args.seq
+
+    def forward():
+        with torch.no_grad():
+            model(inputs).sum().item()
+
+    no_decay = re.compile(NO_DECAY)
+    decay = [p for name, p in model.named_parameters() if not no_decay.search(name)]
+    rest = [p for name, p in model.named_parameters() if no_decay.search(name)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                  lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+
+    def step():
+        logits = model(inputs).float()
+        loss = F.cross_entropy(logits.reshape(-1, args.vocab), targets.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()
+
+    memory.reset()
+    step_s = timed(step, args.warmup, args.reps, sync)
+    peak = memory.peak()
+    del optimizer
+    forward_s = timed(forward, args.warmup, args.reps, sync)
+    return {
+        "attention": attention,
+        "params": params,
+        "forward_tokens_per_sec": n / forward_s,
+        "step_tokens_per_sec": n / step_s,
+        "peak_bytes": peak,
+    }
+
+
+def main():
+    global IMPL
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--attention", default="transformer,diff,diff-v2")
+    p.add_argument("--d-model", type=int, required=True)
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--heads", type=int, required=True)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--vocab", type=int, required=True)
+    p.add_argument("--seq", type=int, required=True)
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
+    p.add_argument("--attention-impl", default="sdpa", choices=["sdpa", "explicit"])
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    IMPL = args.attention_impl
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
+    variants = args.attention.split(",")
+    for attention in variants:
+        if attention not in FAST:
+            sys.exit(f"torch_reference.py: unknown attention `{attention}`: expected transformer, diff, diff-v2")
+    if len(variants) == 1:
+        check(variants[0], 4, 2)
+        results = [measure(args, variants[0], device, dtype)]
+    else:  # one process per variant, so that each peak is its own
+        results = []
+        for attention in variants:
+            argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if v is not None]
+            argv.append(f"--attention={attention}")
+            out = subprocess.run([sys.executable, __file__, *argv], check=True, capture_output=True, text=True)
+            results += json.loads(out.stdout)["results"]
+    print(json.dumps({
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "dtype": args.dtype,
+        "attention_impl": IMPL,
+        "results": results,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,712 @@
+//! `diffzoo bench`: what a forward pass and a training step cost, per backend and attention
+//! variant, and against PyTorch eager on the same machine.
+//!
+//! Each (device, variant) is measured in a fresh child process, so that its peak memory is its
+//! own: the model is built from one seed, then `--reps` training steps and `--reps` forward
+//! passes are timed after `--warmup` untimed ones each, and the medians reported. A step is the
+//! trainer's: forward, mean cross-entropy (f32), backward, gradients clipped to global norm 1,
+//! AdamW with the default optimizer settings, the loss read back. A forward pass runs without
+//! autodiff and reads back one number.
+//!
+//! Peak memory during the steps: the device allocator's peak reservation where the backend
+//! reports one (sampled after every step), otherwise the growth of the process's peak resident
+//! set (Linux `VmHWM`, reset through `/proc/self/clear_refs`) over its size before the model was
+//! built. `bench/torch_reference.py` measures PyTorch the same way; `--torch` runs it with the
+//! same shapes and thread count and prints diffzoo / PyTorch ratios.
+
+use crate::device;
+use crate::plan::Gpu;
+use crate::recipe::{self, OptimizerSection};
+use crate::train::{self, grads, step::lm_loss};
+use anyhow::{Context, Result, anyhow, bail};
+use burn::data::dataloader::batcher::Batcher;
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use clap::Args;
+use diffzoo_datasets::{LmBatcher, Rng};
+use diffzoo_models::{AttentionKind, ModelConfig};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Devices to measure, comma-separated (the strings `train --device` takes).
+    #[arg(long = "device", value_delimiter = ',', default_value = "cpu")]
+    pub devices: Vec<String>,
+    /// Attention variants, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "transformer,diff,diff-v2"
+    )]
+    pub attention: Vec<AttentionKind>,
+    /// The model: `D_MODELxLAYERSxHEADS` (the baseline's heads, e.g. 256x4x4) or a recipe name,
+    /// whose model (vocabulary included) is used.
+    #[arg(long, default_value = "256x4x4")]
+    pub size: String,
+    /// Sequence length.
+    #[arg(long, default_value_t = 256)]
+    pub seq: usize,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Vocabulary size (with a `D_MODELxLAYERSxHEADS` size).
+    #[arg(long, default_value_t = 4096)]
+    pub vocab: usize,
+    /// The baseline's key/value heads (GQA; default: as many as heads).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// Float dtype: f32, bf16 or f16 (where the device supports it).
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Untimed repetitions before timing.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    /// Timed repetitions; the median is reported.
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
+    /// Forward passes through Burn's fused attention op (training steps fall back to matmul +
+    /// softmax under autodiff either way).
+    #[arg(long)]
+    pub fused_attention: bool,
+    /// A GPU (h100, h200, a100) whose dense bf16 peak turns training FLOP/s into MFU.
+    #[arg(long)]
+    pub gpu: Option<String>,
+    /// Also measure PyTorch eager (bench/torch_reference.py) and print diffzoo / PyTorch ratios.
+    #[arg(long)]
+    pub torch: bool,
+    /// PyTorch's attention: `sdpa` (scaled_dot_product_attention, what users run) or
+    /// `explicit` (matmul + softmax maps, the algorithm Burn's autodiff runs).
+    #[arg(long, default_value = "sdpa")]
+    pub torch_attention: String,
+    /// Python with torch installed (default: $DIFFZOO_PYTHON, else target/torch-venv/bin/python
+    /// as `bash bench/setup` makes it, else python3).
+    #[arg(long)]
+    pub python: Option<PathBuf>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Also write the JSON report to this file.
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+    /// Measure one device and variant and print its JSON (how the parent runs each).
+    #[arg(long, hide = true)]
+    pub child: bool,
+}
+
+/// The model shape a bench measures, for every variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Shape {
+    pub d_model: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: Option<usize>,
+    pub vocab: usize,
+}
+
+impl Shape {
+    /// `D_MODELxLAYERSxHEADS` with `vocab` and `kv_heads`, or the model of the recipe named.
+    pub fn parse(spec: &str, vocab: usize, kv_heads: Option<usize>) -> Result<Self> {
+        let numbers: Vec<Option<usize>> = spec.split('x').map(|n| n.parse().ok()).collect();
+        if let [Some(d_model), Some(layers), Some(heads)] = numbers[..] {
+            return Ok(Self {
+                d_model,
+                layers,
+                heads,
+                kv_heads,
+                vocab,
+            });
+        }
+        let model = recipe::resolve(spec, &[])
+            .with_context(|| {
+                format!("--size `{spec}`: expected D_MODELxLAYERSxHEADS (e.g. 256x4x4) or a recipe")
+            })?
+            .recipe
+            .model;
+        Ok(Self {
+            d_model: model.d_model,
+            layers: model.layers,
+            heads: model.heads,
+            kv_heads: model.kv_heads,
+            vocab: model.vocab_size,
+        })
+    }
+
+    /// The configuration of `attention` at this shape, for sequences of `seq` tokens.
+    pub fn config(&self, attention: AttentionKind, seq: usize, fused: bool) -> Result<ModelConfig> {
+        let config = ModelConfig::new(
+            attention,
+            self.d_model,
+            self.layers,
+            self.heads,
+            self.vocab,
+            seq,
+        )
+        .with_kv_heads(self.kv_heads)
+        .with_fused_attention(fused);
+        config
+            .validate()
+            .map_err(|e| anyhow!("the {attention} model of this size is invalid: {e}"))?;
+        Ok(config)
+    }
+}
+
+/// What one process measured of one variant on one device (diffzoo or PyTorch).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Measurement {
+    pub attention: String,
+    pub params: u64,
+    pub forward_tokens_per_sec: f64,
+    pub step_tokens_per_sec: f64,
+    /// `None` where the platform gives no figure.
+    pub peak_bytes: Option<u64>,
+}
+
+/// What PyTorch's harness printed.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct TorchRun {
+    pub torch: String,
+    pub threads: usize,
+    pub device: String,
+    pub attention_impl: String,
+    pub results: Vec<Measurement>,
+}
+
+/// diffzoo / PyTorch, for the same device kind and variant.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct VsTorch {
+    pub forward: f64,
+    pub step: f64,
+    /// Peak memory ratio, where both have a figure.
+    pub memory: Option<f64>,
+}
+
+/// One line of the report.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub device: String,
+    #[serde(flatten)]
+    pub ours: Measurement,
+    /// Model FLOP/s of the training step (`budget::flops_per_token`'s training FLOPs).
+    pub train_flops_per_sec: f64,
+    /// `train_flops_per_sec` over the `--gpu`'s dense bf16 peak.
+    pub mfu: Option<f64>,
+    /// This variant's step time over the baseline Transformer's on the same device.
+    pub step_time_vs_transformer: Option<f64>,
+    pub torch: Option<Measurement>,
+    pub vs_torch: Option<VsTorch>,
+}
+
+/// The median of `values` (the mean of the middle two for an even count).
+pub fn median(values: &mut [f64]) -> f64 {
+    assert!(!values.is_empty(), "median of nothing");
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+/// Median seconds of `reps` calls of `f` after `warmup` untimed ones.
+fn timed(warmup: usize, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let start = Instant::now();
+        f()?;
+        times.push(start.elapsed().as_secs_f64());
+    }
+    Ok(median(&mut times))
+}
+
+/// A field of `/proc/self/status` in bytes (`None` off Linux).
+fn proc_status_bytes(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Report rows: each measurement with its FLOP/s, MFU, ratio to the baseline on its device and,
+/// when PyTorch ran on the same kind of device, the ratios to it.
+pub fn rows(
+    measured: &[(String, Measurement)],
+    torch: &[(String, TorchRun)],
+    train_flops_per_token: impl Fn(&str) -> f64,
+    peak_flops: Option<f64>,
+) -> Vec<Row> {
+    measured
+        .iter()
+        .map(|(device, ours)| {
+            let baseline = measured
+                .iter()
+                .find(|(d, m)| d == device && m.attention == AttentionKind::Transformer.as_str());
+            let train_flops_per_sec =
+                ours.step_tokens_per_sec * train_flops_per_token(&ours.attention);
+            let theirs = torch
+                .iter()
+                .find(|(d, _)| *d == torch_device(device))
+                .and_then(|(_, run)| run.results.iter().find(|m| m.attention == ours.attention))
+                .cloned();
+            let vs_torch = theirs.as_ref().map(|t| VsTorch {
+                forward: ours.forward_tokens_per_sec / t.forward_tokens_per_sec,
+                step: ours.step_tokens_per_sec / t.step_tokens_per_sec,
+                memory: ours
+                    .peak_bytes
+                    .zip(t.peak_bytes)
+                    .map(|(a, b)| a as f64 / b as f64),
+            });
+            Row {
+                device: device.clone(),
+                ours: ours.clone(),
+                train_flops_per_sec,
+                mfu: peak_flops.map(|peak| train_flops_per_sec / peak),
+                step_time_vs_transformer: baseline
+                    .map(|(_, b)| b.step_tokens_per_sec / ours.step_tokens_per_sec),
+                torch: theirs,
+                vs_torch,
+            }
+        })
+        .collect()
+}
+
+/// The PyTorch device a diffzoo device is compared with: the same CUDA card, else the CPU.
+pub fn torch_device(spec: &str) -> String {
+    match spec.rsplit_once(':') {
+        Some((kind, index)) if kind == "cuda" || kind == "tch-cuda" => format!("cuda:{index}"),
+        _ => "cpu".into(),
+    }
+}
+
+/// Threads the CPU backends use: `RAYON_NUM_THREADS` when set, else every core.
+fn threads() -> usize {
+    std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+pub fn run(args: &BenchArgs) -> Result<()> {
+    if args.reps == 0 || args.seq == 0 || args.batch == 0 {
+        bail!("--reps, --seq and --batch must be at least 1");
+    }
+    train::float_dtype(&args.dtype).context("--dtype")?;
+    let shape = Shape::parse(&args.size, args.vocab, args.kv_heads)?;
+    for &attention in &args.attention {
+        shape.config(attention, args.seq, args.fused_attention)?;
+    }
+    if args.child {
+        return child(args, &shape);
+    }
+    let peak_flops = match &args.gpu {
+        Some(gpu) => Some(Gpu::parse(gpu)?.peak_flops.ok_or_else(|| {
+            anyhow!("--gpu {gpu}: its bf16 peak is unknown; name h100, h200 or a100")
+        })?),
+        None => None,
+    };
+    for spec in &args.devices {
+        device::parse(spec)?;
+    }
+    let mut measured = Vec::new();
+    for spec in &args.devices {
+        for &attention in &args.attention {
+            eprintln!("bench: {attention} on {spec}");
+            measured.push((spec.clone(), spawn_child(args, spec, attention)?));
+        }
+    }
+    let mut torch = Vec::new();
+    if args.torch {
+        let mut devices: Vec<String> = args.devices.iter().map(|d| torch_device(d)).collect();
+        devices.dedup();
+        for device in devices {
+            eprintln!("bench: PyTorch on {device}");
+            let run = run_torch(args, &shape, &device)?;
+            for theirs in &run.results {
+                let ours = measured
+                    .iter()
+                    .find(|(_, m)| m.attention == theirs.attention);
+                if let Some((_, ours)) = ours
+                    && ours.params != theirs.params
+                {
+                    bail!(
+                        "PyTorch's {} model has {} parameters, ours {}: not the same model",
+                        theirs.attention,
+                        theirs.params,
+                        ours.params
+                    );
+                }
+            }
+            torch.push((device, run));
+        }
+    }
+    let flops = |attention: &str| {
+        let kind: AttentionKind = attention.parse().expect("a measured variant");
+        let config = shape.config(kind, args.seq, false).expect("validated");
+        config.flops_per_token(args.seq).training
+    };
+    let rows = rows(&measured, &torch, flops, peak_flops);
+    let report = serde_json::json!({
+            "shape": shape,
+            "seq": args.seq,
+            "batch": args.batch,
+            "dtype": args.dtype,
+            "threads": threads(),
+            "warmup": args.warmup,
+            "reps": args.reps,
+            "torch": torch.iter().map(|(_, run)| serde_json::json!({
+                "version": run.torch,
+                "device": run.device,
+                "threads": run.threads,
+                "attention_impl": run.attention_impl,
+            })).collect::<Vec<_>>(),
+            "rows": rows,
+    });
+    let report = serde_json::to_string_pretty(&report)?;
+    if let Some(out) = &args.out {
+        std::fs::write(out, &report).with_context(|| format!("writing {}", out.display()))?;
+    }
+    if args.json {
+        println!("{report}");
+    } else {
+        print_table(args, &shape, &torch, &rows);
+    }
+    Ok(())
+}
+
+fn print_table(args: &BenchArgs, shape: &Shape, torch: &[(String, TorchRun)], rows: &[Row]) {
+    println!(
+        "d_model {} · {} layers · {} heads{} · vocab {} · {} × {} tokens · {} · {} threads · median of {} after {} warm-up",
+        shape.d_model,
+        shape.layers,
+        shape.heads,
+        shape
+            .kv_heads
+            .map(|k| format!(" ({k} kv)"))
+            .unwrap_or_default(),
+        shape.vocab,
+        args.batch,
+        args.seq,
+        args.dtype,
+        threads(),
+        args.reps,
+        args.warmup,
+    );
+    for (_, run) in torch {
+        println!(
+            "PyTorch {} on {} ({} attention, {} threads)",
+            run.torch, run.device, run.attention_impl, run.threads
+        );
+    }
+    let mib = |b: Option<u64>| b.map_or("-".into(), |b| format!("{:.0}", b as f64 / 1048576.0));
+    let ratio = |r: Option<f64>| r.map_or("-".into(), |r| format!("{r:.2}"));
+    println!(
+        "\n{:<10} {:<12} {:>10} {:>11} {:>11} {:>9} {:>9} {:>7}{}",
+        "device",
+        "attention",
+        "params",
+        "fwd tok/s",
+        "step tok/s",
+        "step/base",
+        "peak MiB",
+        if args.gpu.is_some() { "MFU" } else { "GFLOP/s" },
+        if torch.is_empty() {
+            ""
+        } else {
+            "  | torch fwd  torch step  torch MiB | fwd×torch step×torch mem×torch"
+        }
+    );
+    for row in rows {
+        let flops = match row.mfu {
+            Some(mfu) => format!("{:.1}%", 100.0 * mfu),
+            None => format!("{:.1}", row.train_flops_per_sec / 1e9),
+        };
+        let torch = match (&row.torch, &row.vs_torch) {
+            (Some(t), Some(v)) => format!(
+                "  | {:>9.0} {:>11.0} {:>10} | {:>9.2} {:>10.2} {:>9}",
+                t.forward_tokens_per_sec,
+                t.step_tokens_per_sec,
+                mib(t.peak_bytes),
+                v.forward,
+                v.step,
+                ratio(v.memory)
+            ),
+            _ => String::new(),
+        };
+        println!(
+            "{:<10} {:<12} {:>10} {:>11.0} {:>11.0} {:>9} {:>9} {:>7}{torch}",
+            row.device,
+            row.ours.attention,
+            row.ours.params,
+            row.ours.forward_tokens_per_sec,
+            row.ours.step_tokens_per_sec,
+            ratio(row.step_time_vs_transformer),
+            mib(row.ours.peak_bytes),
+            flops,
+        );
+    }
+}
+
+/// Runs this binary on one device and variant and reads its measurement.
+fn spawn_child(args: &BenchArgs, spec: &str, attention: AttentionKind) -> Result<Measurement> {
+    let exe = std::env::current_exe().context("locating the diffzoo binary")?;
+    let mut command = Command::new(exe);
+    command.args(["bench", "--child", "--device", spec]);
+    command.args(["--attention", attention.as_str(), "--size", &args.size]);
+    for (flag, value) in [
+        ("--seq", args.seq),
+        ("--batch", args.batch),
+        ("--vocab", args.vocab),
+        ("--warmup", args.warmup),
+        ("--reps", args.reps),
+    ] {
+        command.args([flag, &value.to_string()]);
+    }
+    command.args(["--dtype", &args.dtype]);
+    if let Some(kv) = args.kv_heads {
+        command.args(["--kv-heads", &kv.to_string()]);
+    }
+    if args.fused_attention {
+        command.arg("--fused-attention");
+    }
+    let out = command
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("starting a bench process")?;
+    if !out.status.success() {
+        bail!("measuring {attention} on {spec} failed ({})", out.status);
+    }
+    serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("reading the measurement of {attention} on {spec}"))
+}
+
+/// One device, one variant: prints a [`Measurement`] as JSON.
+fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
+    let (spec, attention) = match (&args.devices[..], &args.attention[..]) {
+        ([spec], [attention]) => (spec, *attention),
+        _ => bail!("--child measures one device and one variant"),
+    };
+    let config = shape.config(attention, args.seq, args.fused_attention)?;
+    let mut device = device::parse(spec)?;
+    train::configure_dtype(&mut device, &args.dtype, spec, "--dtype")?;
+    let base = proc_status_bytes("VmRSS:");
+    let training = device.clone().autodiff();
+    training.seed(0);
+    let model = config.init(&training);
+    let params = model.num_params() as u64;
+    let tokens = args.batch * args.seq;
+    let mut rng = Rng::new(0);
+    let windows: Vec<Vec<u32>> = (0..args.batch)
+        .map(|_| {
+            (0..=args.seq)
+                .map(|_| rng.below(shape.vocab as u64) as u32)
+                .collect()
+        })
+        .collect();
+
+    let batch = LmBatcher.batch(windows.clone(), &training);
+    let mut optimizer = train::optimizer(&OptimizerSection::default())?;
+    // The forward passes run without autodiff, on the initial weights.
+    let inference = model.clone().valid();
+    let mut trained = Some(model);
+    // Resetting the peak resident set makes it the current one; no figure if that is refused.
+    let rss_reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
+    let mut pool_peak = None;
+    let step_s = timed(args.warmup, args.reps, || {
+        let model = trained.take().expect("the model between steps");
+        let loss = lm_loss(&model, &batch);
+        let value = loss.clone().into_scalar::<f32>();
+        if !value.is_finite() {
+            bail!("non-finite loss {value}");
+        }
+        let mut g = GradientsParams::from_grads(loss.backward(), &model);
+        grads::clip_global_norm(&model, &mut g, 1.0);
+        trained = Some(optimizer.step(1e-4, model, g));
+        if let Some(usage) = device.memory_pool_usage() {
+            pool_peak = pool_peak.max(Some(usage.bytes_reserved));
+        }
+        Ok(())
+    })?;
+    let peak_bytes = pool_peak.or_else(|| {
+        let (base, hwm) = (base?, proc_status_bytes("VmHWM:")?);
+        rss_reset.then(|| hwm.saturating_sub(base))
+    });
+    drop(trained);
+
+    let inputs = LmBatcher.batch(windows, &device).inputs;
+    let forward_s = timed(args.warmup, args.reps, || {
+        inference.forward(inputs.clone()).sum().into_scalar::<f32>();
+        Ok(())
+    })?;
+    let measurement = Measurement {
+        attention: attention.as_str().into(),
+        params,
+        forward_tokens_per_sec: tokens as f64 / forward_s,
+        step_tokens_per_sec: tokens as f64 / step_s,
+        peak_bytes,
+    };
+    println!("{}", serde_json::to_string(&measurement)?);
+    Ok(())
+}
+
+/// The Python that has torch: `--python`, `$DIFFZOO_PYTHON`, the venv `bench/setup` makes, or
+/// `python3`.
+fn python(args: &BenchArgs) -> PathBuf {
+    if let Some(p) = &args.python {
+        return p.clone();
+    }
+    if let Some(p) = std::env::var_os("DIFFZOO_PYTHON") {
+        return p.into();
+    }
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/torch-venv/bin/python");
+    if venv.exists() {
+        return venv;
+    }
+    "python3".into()
+}
+
+fn run_torch(args: &BenchArgs, shape: &Shape, device: &str) -> Result<TorchRun> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/torch_reference.py");
+    let python = python(args);
+    let attention: Vec<&str> = args.attention.iter().map(|a| a.as_str()).collect();
+    let mut command = Command::new(&python);
+    command.arg(&script);
+    command.args(["--attention", &attention.join(","), "--device", device]);
+    for (flag, value) in [
+        ("--d-model", shape.d_model),
+        ("--layers", shape.layers),
+        ("--heads", shape.heads),
+        ("--vocab", shape.vocab),
+        ("--seq", args.seq),
+        ("--batch", args.batch),
+        ("--warmup", args.warmup),
+        ("--reps", args.reps),
+        ("--threads", threads()),
+    ] {
+        command.args([flag, &value.to_string()]);
+    }
+    if let Some(kv) = shape.kv_heads {
+        command.args(["--kv-heads", &kv.to_string()]);
+    }
+    command.args([
+        "--dtype",
+        &args.dtype,
+        "--attention-impl",
+        &args.torch_attention,
+    ]);
+    let out = command
+        .output()
+        .with_context(|| format!("running {} with {}", script.display(), python.display()))?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        if stderr.contains("No module named 'torch'") {
+            bail!(
+                "{} has no PyTorch: run `bash bench/setup` (installs torch 2.9.0 into target/torch-venv), or pass --python or set DIFFZOO_PYTHON",
+                python.display()
+            );
+        }
+        bail!("{} failed ({}):\n{stderr}", script.display(), out.status);
+    }
+    serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("reading the output of {}", script.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&mut [7.0]), 7.0);
+    }
+
+    #[test]
+    fn sizes_parse_from_numbers_or_recipes() {
+        let shape = Shape::parse("512x8x8", 1000, Some(4)).unwrap();
+        assert_eq!(
+            shape,
+            Shape {
+                d_model: 512,
+                layers: 8,
+                heads: 8,
+                kv_heads: Some(4),
+                vocab: 1000
+            }
+        );
+        let tiny = Shape::parse("tiny", 1000, None).unwrap();
+        assert_eq!((tiny.d_model, tiny.layers, tiny.vocab), (256, 4, 4096));
+        let err = Shape::parse("256x4", 1000, None).unwrap_err();
+        assert!(format!("{err:#}").contains("--size `256x4`"), "{err:#}");
+        // Three heads cannot be split into DIFF's pairs.
+        let odd = Shape::parse("192x2x3", 100, None).unwrap();
+        assert!(odd.config(AttentionKind::Transformer, 64, false).is_ok());
+        assert!(odd.config(AttentionKind::Diff, 64, false).is_err());
+    }
+
+    #[test]
+    fn torch_is_compared_on_the_same_kind_of_device() {
+        assert_eq!(torch_device("cpu"), "cpu");
+        assert_eq!(torch_device("tch"), "cpu");
+        assert_eq!(torch_device("wgpu"), "cpu");
+        assert_eq!(torch_device("cuda:1"), "cuda:1");
+        assert_eq!(torch_device("tch-cuda:0"), "cuda:0");
+    }
+
+    fn m(attention: &str, fwd: f64, step: f64, peak: Option<u64>) -> Measurement {
+        Measurement {
+            attention: attention.into(),
+            params: 10,
+            forward_tokens_per_sec: fwd,
+            step_tokens_per_sec: step,
+            peak_bytes: peak,
+        }
+    }
+
+    #[test]
+    fn rows_carry_the_ratios() {
+        let measured = vec![
+            ("flex".to_string(), m("transformer", 100.0, 50.0, Some(200))),
+            ("flex".to_string(), m("diff", 90.0, 40.0, Some(300))),
+            ("cuda:0".to_string(), m("diff", 1000.0, 500.0, None)),
+        ];
+        let torch = vec![(
+            "cpu".to_string(),
+            TorchRun {
+                torch: "2.9.0".into(),
+                threads: 2,
+                device: "cpu".into(),
+                attention_impl: "sdpa".into(),
+                results: vec![
+                    m("transformer", 200.0, 100.0, Some(400)),
+                    m("diff", 180.0, 20.0, None),
+                ],
+            },
+        )];
+        let rows = rows(
+            &measured,
+            &torch,
+            |a| if a == "diff" { 6.0 } else { 5.0 },
+            Some(1000.0),
+        );
+        // DIFF's step takes 50/40 = 1.25× the baseline's on the same device; none on cuda.
+        assert_eq!(rows[0].step_time_vs_transformer, Some(1.0));
+        assert_eq!(rows[1].step_time_vs_transformer, Some(1.25));
+        assert_eq!(rows[2].step_time_vs_transformer, None);
+        assert_eq!(rows[1].train_flops_per_sec, 240.0);
+        assert_eq!(rows[1].mfu, Some(0.24));
+        let vs = rows[0].vs_torch.unwrap();
+        assert_eq!((vs.forward, vs.step, vs.memory), (0.5, 0.5, Some(0.5)));
+        let vs = rows[1].vs_torch.unwrap();
+        assert_eq!((vs.forward, vs.step, vs.memory), (0.5, 2.0, None));
+        // PyTorch ran on the CPU only.
+        assert!(rows[2].vs_torch.is_none());
+    }
+}
