@@ -358,6 +358,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "batch": args.batch,
             "dtype": args.dtype,
             "threads": threads(),
+            "allocator_tuned": crate::allocator::tuned(),
             "warmup": args.warmup,
             "reps": args.reps,
             "torch": torch.iter().map(|(_, run)| serde_json::json!({
@@ -382,7 +383,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
 
 fn print_table(args: &BenchArgs, shape: &Shape, torch: &[(String, TorchRun)], rows: &[Row]) {
     println!(
-        "d_model {} · {} layers · {} heads{} · vocab {} · {} × {} tokens · {} · {} threads · median of {} after {} warm-up",
+        "d_model {} · {} layers · {} heads{} · vocab {} · {} × {} tokens · {} · {} threads · median of {} after {} warm-up{}",
         shape.d_model,
         shape.layers,
         shape.heads,
@@ -397,6 +398,11 @@ fn print_table(args: &BenchArgs, shape: &Shape, torch: &[(String, TorchRun)], ro
         threads(),
         args.reps,
         args.warmup,
+        if crate::allocator::tuned() {
+            ""
+        } else {
+            " · allocator not tuned"
+        },
     );
     for (_, run) in torch {
         println!(

@@ -1,5 +1,6 @@
 //! `diffzoo`: train, compare and sample DIFF Transformers and their baseline.
 
+mod allocator;
 mod bench;
 mod data;
 mod device;
@@ -120,6 +121,7 @@ enum DataCommand {
 }
 
 fn main() {
+    allocator::tune();
     if let Err(e) = dispatch(Cli::parse()) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
