@@ -314,36 +314,33 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     for spec in &args.devices {
         device::parse(spec)?;
     }
-    let mut measured = Vec::new();
-    for spec in &args.devices {
-        for &attention in &args.attention {
-            eprintln!("bench: {attention} on {spec}");
-            measured.push((spec.clone(), spawn_child(args, spec, attention)?));
-        }
-    }
+    // PyTorch first: a missing or broken Python fails before minutes of measuring.
     let mut torch = Vec::new();
     if args.torch {
         let mut devices: Vec<String> = args.devices.iter().map(|d| torch_device(d)).collect();
+        devices.sort();
         devices.dedup();
         for device in devices {
             eprintln!("bench: PyTorch on {device}");
             let run = run_torch(args, &shape, &device)?;
             for theirs in &run.results {
-                let ours = measured
-                    .iter()
-                    .find(|(_, m)| m.attention == theirs.attention);
-                if let Some((_, ours)) = ours
-                    && ours.params != theirs.params
-                {
+                let kind: AttentionKind = theirs.attention.parse().map_err(|e| anyhow!("{e}"))?;
+                let ours = shape.config(kind, args.seq, false)?.param_count().total;
+                if theirs.params != ours {
                     bail!(
-                        "PyTorch's {} model has {} parameters, ours {}: not the same model",
-                        theirs.attention,
-                        theirs.params,
-                        ours.params
+                        "PyTorch's {kind} model has {} parameters, ours {ours}: not the same model",
+                        theirs.params
                     );
                 }
             }
             torch.push((device, run));
+        }
+    }
+    let mut measured = Vec::new();
+    for spec in &args.devices {
+        for &attention in &args.attention {
+            eprintln!("bench: {attention} on {spec}");
+            measured.push((spec.clone(), spawn_child(args, spec, attention)?));
         }
     }
     let flops = |attention: &str| {

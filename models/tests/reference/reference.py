@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from torch.nn import functional as F
 
@@ -203,6 +202,8 @@ LAYERS, VOCAB, BATCH, SEQ, THETA = 2, 48, 2, 12, 10000.0
 
 
 def write_case(out: Path, name, attention, d_model, h, h_kv, seed):
+    from safetensors.torch import save_file  # only the fixture writer needs it
+
     torch.manual_seed(seed)
     model = Model(attention, d_model, LAYERS, h, h_kv, VOCAB, THETA)
     with torch.no_grad():  # norms away from 1 so that loading them is tested, λ vectors larger
