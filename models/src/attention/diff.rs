@@ -14,9 +14,10 @@
 //! out = Concat(head_0 … head_{H'−1})·W_o
 //! ```
 //!
-//! The explicit path computes both maps with one batched matmul over a `[B, H', 2, S, S]` tensor
-//! and applies `A₁ − λ·A₂` to V once; the fused path calls Burn's attention twice with V of width
-//! 2d and subtracts the outputs (same result by linearity).
+//! The explicit path computes both maps with one batched matmul over the 2H' half-heads (no copy
+//! of Q or K; the `[B, 2H', S, S]` maps are then viewed as pairs) and applies `A₁ − λ·A₂` to V
+//! once; the fused path calls Burn's attention twice with V of width 2d and subtracts the outputs
+//! (same result by linearity).
 
 use super::{
     AttentionProbe, causal_logits, fused_causal_attention, merge_heads, projection, repeat_kv,
@@ -97,19 +98,23 @@ impl DiffAttention {
             + self.lambda_init
     }
 
-    /// Q `[B, H', 2, S, d]`, K `[B, H', 2, S, d]` (GQA-repeated) and V `[B, H', S, 2d]`.
-    fn qkv(&self, x: Tensor<3>, rope: &RotaryEncoding) -> (Tensor<5>, Tensor<5>, Tensor<4>) {
+    /// Q `[B, 2H', S, d]` (half-head `2h + c` is head h's Q_{c+1}), K `[B, 2H', S, d]` lined up
+    /// with it (GQA-repeated) and V `[B, H', S, 2d]`.
+    fn qkv(&self, x: Tensor<3>, rope: &RotaryEncoding) -> [Tensor<4>; 3] {
         let n_rep = self.heads / self.kv_heads;
         let q = rotary_heads(self.q_proj.forward(x.clone()), 2 * self.heads, rope);
         let k = rotary_heads(self.k_proj.forward(x.clone()), 2 * self.kv_heads, rope);
         let v = split_heads(self.v_proj.forward(x), self.kv_heads);
-        let [b, _, s, d] = q.dims();
-        let q = q.reshape([b, self.heads, 2, s, d]);
-        // Fold each kv head's two halves into one "head" of 2S rows, so that repeating heads keeps
-        // the halves (g, 0) and (g, 1) together: query half (h, c) meets key half (h / n_rep, c).
-        let k = repeat_kv(k.reshape([b, self.kv_heads, 2 * s, d]), n_rep)
-            .reshape([b, self.heads, 2, s, d]);
-        (q, k, repeat_kv(v, n_rep))
+        // Query half (h, c) meets key half (h / n_rep, c): fold each kv head's two halves into one
+        // "head" of 2S rows, so that repeating heads keeps the pair together.
+        let k = if n_rep == 1 {
+            k
+        } else {
+            let [b, _, s, d] = k.dims();
+            repeat_kv(k.reshape([b, self.kv_heads, 2 * s, d]), n_rep)
+                .reshape([b, 2 * self.heads, s, d])
+        };
+        [q, k, repeat_kv(v, n_rep)]
     }
 
     /// `(1 − λ_init)·subln(heads)`, merged and projected.
@@ -125,15 +130,15 @@ impl DiffAttention {
 
     pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
         let dtype = x.dtype();
-        let (q, k, v) = self.qkv(x, rope);
+        let [q, k, v] = self.qkv(x, rope);
         let lambda = self.lambda_as(dtype);
         let heads = if self.fused && self.logit_bits == 0 {
-            let half = |t: &Tensor<5>, c: usize| t.clone().narrow(2, c, 1).squeeze_dim::<4>(2);
-            let a1v = fused_causal_attention(half(&q, 0), half(&k, 0), v.clone());
-            let a2v = fused_causal_attention(half(&q, 1), half(&k, 1), v);
+            let ([q1, q2], [k1, k2]) = (halves(q), halves(k));
+            let a1v = fused_causal_attention(q1, k1, v.clone());
+            let a2v = fused_causal_attention(q2, k2, v);
             a1v - a2v * lambda
         } else {
-            let [a1, a2] = maps(softmax(causal_logits(q, k, self.logit_bits), 4));
+            let [a1, a2] = halves(softmax(causal_logits(q, k, self.logit_bits), 3));
             (a1 - a2 * lambda).matmul(v)
         };
         self.output(heads)
@@ -145,16 +150,15 @@ impl DiffAttention {
         rope: &RotaryEncoding,
     ) -> (Tensor<3>, AttentionProbe) {
         let dtype = x.dtype();
-        let (q, k, v) = self.qkv(x, rope);
+        let [q, k, v] = self.qkv(x, rope);
         let logits = causal_logits(q, k, self.logit_bits);
-        let probs = softmax(logits.clone(), 4);
-        let [a1, a2] = maps(probs.clone());
+        let probs = softmax(logits.clone(), 3);
+        let [a1, a2] = halves(probs.clone());
         let effective = a1 - a2 * self.lambda_as(dtype);
         let out = self.output(effective.clone().matmul(v));
-        let [b, h, _, s, _] = logits.dims();
         let probe = AttentionProbe {
-            logits: logits.reshape([b, 2 * h, s, s]),
-            probs: probs.reshape([b, 2 * h, s, s]),
+            logits,
+            probs,
             effective,
             lambda: Some(self.lambda().reshape([1, 1, 1])),
         };
@@ -162,7 +166,10 @@ impl DiffAttention {
     }
 }
 
-/// Splits `[B, H', 2, S, S]` maps into A₁ and A₂, each `[B, H', S, S]`.
-fn maps(probs: Tensor<5>) -> [Tensor<4>; 2] {
-    [0, 1].map(|c| probs.clone().narrow(2, c, 1).squeeze_dim::<4>(2))
+/// Splits half-heads `[B, 2H', S, n]` into the first and second halves of every head, each
+/// `[B, H', S, n]` (for maps: A₁ and A₂).
+fn halves(x: Tensor<4>) -> [Tensor<4>; 2] {
+    let [b, h2, s, n] = x.dims();
+    let pairs = x.reshape([b, h2 / 2, 2, s, n]);
+    [0, 1].map(|c| pairs.clone().narrow(2, c, 1).squeeze_dim::<4>(2))
 }
