@@ -111,8 +111,12 @@ impl DiffAttention {
             k
         } else {
             let [b, _, s, d] = k.dims();
-            repeat_kv(k.reshape([b, self.kv_heads, 2 * s, d]), n_rep)
-                .reshape([b, 2 * self.heads, s, d])
+            repeat_kv(k.reshape([b, self.kv_heads, 2 * s, d]), n_rep).reshape([
+                b,
+                2 * self.heads,
+                s,
+                d,
+            ])
         };
         [q, k, repeat_kv(v, n_rep)]
     }
