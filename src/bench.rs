@@ -5,8 +5,8 @@
 //! own: the model is built from one seed, then `--reps` training steps and `--reps` forward
 //! passes are timed after `--warmup` untimed ones each, and the medians reported. A step is the
 //! trainer's: forward, mean cross-entropy (f32), backward, gradients clipped to global norm 1,
-//! AdamW with the default optimizer settings, the loss read back. A forward pass runs without
-//! autodiff and reads back one number.
+//! AdamW with the default optimizer settings, the loss read back, the device synchronised. A
+//! forward pass runs without autodiff and reads back one number.
 //!
 //! Peak memory during the steps: the device allocator's peak reservation where the backend
 //! reports one (sampled after every step), otherwise the growth of the process's peak resident
@@ -531,6 +531,10 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
         let mut g = GradientsParams::from_grads(loss.backward(), &model);
         grads::clip_global_norm(&model, &mut g, 1.0);
         trained = Some(optimizer.step(1e-4, model, g));
+        // On a GPU the update is still queued: the step ends when the device is idle.
+        device
+            .sync()
+            .map_err(|e| anyhow!("{spec}: the step failed: {e:?}"))?;
         if let Some(usage) = device.memory_pool_usage() {
             pool_peak = pool_peak.max(Some(usage.bytes_reserved));
         }
