@@ -4,7 +4,8 @@ the same way, printed as one JSON object that `diffzoo bench --torch` reads.
 The model is the golden reference (`models/tests/reference/reference.py`: same parameters, same
 names, same equations) with its attention written the way a PyTorch user would: batched over
 heads, through `F.scaled_dot_product_attention` (`--attention-impl sdpa`, the default; on CPU
-a fused flash-attention kernel forward and backward) or as explicit matmul + softmax maps
+a fused flash-attention kernel forward and backward; DIFF V1 attends to its 2d-wide values as two
+d-wide halves, since the fused kernels need V as wide as Q and K) or as explicit matmul + softmax maps
 (`--attention-impl explicit`, the algorithm Burn's autodiff runs). Before timing, each variant's
 vectorised forward pass is checked against the reference's head-by-head one.
 
@@ -79,8 +80,15 @@ class DiffAttention(reference.DiffAttention):
         v = reference.heads(self.v_proj(x), self.h_kv)
         q = q.view(b, self.h, 2, s, self.d)
         k = k.view(b, self.h_kv, 2, s, self.d)
-        a1v = attend(q[:, :, 0], k[:, :, 0], v)
-        a2v = attend(q[:, :, 1], k[:, :, 1], v)
+        # SDPA's fused CPU and GPU kernels need V as wide as Q and K: attend to V's two d-wide
+        # halves and concatenate, as the official flash-attention code does.
+        halves = v.split(self.d, dim=-1)
+
+        def attend_2d(q, k):
+            return torch.cat([attend(q, k, half) for half in halves], dim=-1)
+
+        a1v = attend_2d(q[:, :, 0], k[:, :, 0])
+        a2v = attend_2d(q[:, :, 1], k[:, :, 1])
         lam = self.lam().to(x.dtype)
         o = self.subln(a1v - lam * a2v) * (1 - self.lambda_init)
         return self.o_proj(reference.merge(o))
@@ -144,19 +152,22 @@ class PeakMemory:
         return None
 
     def reset(self):
+        self.was_reset = True
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
         try:
             Path("/proc/self/clear_refs").write_text("5")
         except OSError:
-            pass
+            self.was_reset = False
 
     def peak(self):
         if self.device.type == "cuda":
             return torch.cuda.max_memory_reserved(self.device)
         hwm = self._rss("VmHWM")
-        return None if hwm is None or self.base is None else max(hwm - self.base, 0)
+        if hwm is None or self.base is None or not self.was_reset:
+            return None
+        return max(hwm - self.base, 0)
 
 
 def timed(fn, warmup, reps, sync):
@@ -251,7 +262,7 @@ def main():
         for attention in variants:
             argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if v is not None]
             argv.append(f"--attention={attention}")
-            out = subprocess.run([sys.executable, __file__, *argv], check=True, capture_output=True, text=True)
+            out = subprocess.run([sys.executable, __file__, *argv], check=True, stdout=subprocess.PIPE, text=True)
             results += json.loads(out.stdout)["results"]
     print(json.dumps({
         "torch": torch.__version__,

@@ -8,10 +8,11 @@
 //! AdamW with the default optimizer settings, the loss read back, the device synchronised. A
 //! forward pass runs without autodiff and reads back one number.
 //!
-//! Peak memory during the steps: the device allocator's peak reservation where the backend
-//! reports one (sampled after every step), otherwise the growth of the process's peak resident
-//! set (Linux `VmHWM`, reset through `/proc/self/clear_refs`) over its size before the model was
-//! built. `bench/torch_reference.py` measures PyTorch the same way; `--torch` runs it with the
+//! Peak memory during the steps: the largest reservation of the device allocator seen after each
+//! step where the backend reports one (CubeCL backends), otherwise on CPU devices the growth of
+//! the process's peak resident set (Linux `VmHWM`, reset through `/proc/self/clear_refs`) over its
+//! size before the model was built, and no figure for LibTorch on CUDA. Children run with
+//! `RAYON_NUM_THREADS` and `OMP_NUM_THREADS` (LibTorch's) set to the thread count PyTorch gets. `bench/torch_reference.py` measures PyTorch the same way; `--torch` runs it with the
 //! same shapes and thread count and prints diffzoo / PyTorch ratios.
 
 use crate::device;
@@ -43,7 +44,8 @@ pub struct BenchArgs {
     )]
     pub attention: Vec<AttentionKind>,
     /// The model: `D_MODELxLAYERSxHEADS` (the baseline's heads, e.g. 256x4x4) or a recipe name,
-    /// whose model (vocabulary included) is used.
+    /// whose model's sizes are used (vocabulary, kv heads, FFN size and tied embeddings included;
+    /// the attention variant comes from --attention).
     #[arg(long, default_value = "256x4x4")]
     pub size: String,
     /// Sequence length.
@@ -79,7 +81,7 @@ pub struct BenchArgs {
     pub torch: bool,
     /// PyTorch's attention: `sdpa` (scaled_dot_product_attention, what users run) or
     /// `explicit` (matmul + softmax maps, the algorithm Burn's autodiff runs).
-    #[arg(long, default_value = "sdpa")]
+    #[arg(long, default_value = "sdpa", value_parser = ["sdpa", "explicit"])]
     pub torch_attention: String,
     /// Python with torch installed (default: $DIFFZOO_PYTHON, else target/torch-venv/bin/python
     /// as `bash bench/setup` makes it, else python3).
@@ -104,6 +106,9 @@ pub struct Shape {
     pub heads: usize,
     pub kv_heads: Option<usize>,
     pub vocab: usize,
+    /// SwiGLU hidden size (`None`: the default, 8·d_model/3).
+    pub ffn_dim: Option<usize>,
+    pub tie_embeddings: bool,
 }
 
 impl Shape {
@@ -117,6 +122,8 @@ impl Shape {
                 heads,
                 kv_heads,
                 vocab,
+                ffn_dim: None,
+                tie_embeddings: false,
             });
         }
         let model = recipe::resolve(spec, &[])
@@ -131,6 +138,8 @@ impl Shape {
             heads: model.heads,
             kv_heads: model.kv_heads,
             vocab: model.vocab_size,
+            ffn_dim: model.ffn_dim,
+            tie_embeddings: model.tie_embeddings,
         })
     }
 
@@ -145,6 +154,8 @@ impl Shape {
             seq,
         )
         .with_kv_heads(self.kv_heads)
+        .with_ffn_dim(self.ffn_dim)
+        .with_tie_embeddings(self.tie_embeddings)
         .with_fused_attention(fused);
         config
             .validate()
@@ -251,7 +262,7 @@ pub fn rows(
                 ours.step_tokens_per_sec * train_flops_per_token(&ours.attention);
             let theirs = torch
                 .iter()
-                .find(|(d, _)| *d == torch_device(device))
+                .find(|(d, _)| Some(d) == torch_device(device).as_ref())
                 .and_then(|(_, run)| run.results.iter().find(|m| m.attention == ours.attention))
                 .cloned();
             let vs_torch = theirs.as_ref().map(|t| VsTorch {
@@ -276,11 +287,13 @@ pub fn rows(
         .collect()
 }
 
-/// The PyTorch device a diffzoo device is compared with: the same CUDA card, else the CPU.
-pub fn torch_device(spec: &str) -> String {
-    match spec.rsplit_once(':') {
-        Some((kind, index)) if kind == "cuda" || kind == "tch-cuda" => format!("cuda:{index}"),
-        _ => "cpu".into(),
+/// The PyTorch device a diffzoo device is compared with: the same CUDA card, the CPU for the CPU
+/// backends, none for WGPU (whose adapter PyTorch cannot drive).
+pub fn torch_device(spec: &str) -> Option<String> {
+    match spec.split_once(':') {
+        Some(("cuda" | "tch-cuda", index)) => Some(format!("cuda:{index}")),
+        None if matches!(spec, "cpu" | "flex" | "ndarray" | "tch") => Some("cpu".into()),
+        _ => None,
     }
 }
 
@@ -312,12 +325,29 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         None => None,
     };
     for spec in &args.devices {
-        device::parse(spec)?;
+        train::configure_dtype(&mut device::parse(spec)?, &args.dtype, spec, "--dtype")?;
     }
     // PyTorch first: a missing or broken Python fails before minutes of measuring.
     let mut torch = Vec::new();
     if args.torch {
-        let mut devices: Vec<String> = args.devices.iter().map(|d| torch_device(d)).collect();
+        let default_ffn = 8 * shape.d_model / 3;
+        if shape.tie_embeddings || shape.ffn_dim.is_some_and(|f| f != default_ffn) {
+            bail!(
+                "--torch: the PyTorch reference has an untied LM head and the default FFN size \
+                 ({default_ffn}); --size `{}` has {}",
+                args.size,
+                if shape.tie_embeddings {
+                    "tied embeddings".to_string()
+                } else {
+                    format!("an FFN of {}", shape.ffn_dim.unwrap_or(default_ffn))
+                }
+            );
+        }
+        let mut devices: Vec<String> = args
+            .devices
+            .iter()
+            .filter_map(|d| torch_device(d))
+            .collect();
         devices.sort();
         devices.dedup();
         for device in devices {
@@ -478,6 +508,9 @@ fn spawn_child(args: &BenchArgs, spec: &str, attention: AttentionKind) -> Result
     if args.fused_attention {
         command.arg("--fused-attention");
     }
+    let threads = threads().to_string();
+    command.env("RAYON_NUM_THREADS", &threads);
+    command.env("OMP_NUM_THREADS", &threads);
     let out = command
         .stderr(std::process::Stdio::inherit())
         .output()
@@ -485,7 +518,9 @@ fn spawn_child(args: &BenchArgs, spec: &str, attention: AttentionKind) -> Result
     if !out.status.success() {
         bail!("measuring {attention} on {spec} failed ({})", out.status);
     }
-    serde_json::from_slice(&out.stdout)
+    // The measurement is the last line; a backend may have printed before it.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(stdout.lines().last().unwrap_or_default())
         .with_context(|| format!("reading the measurement of {attention} on {spec}"))
 }
 
@@ -540,9 +575,11 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
         }
         Ok(())
     })?;
+    // Host memory says nothing of a GPU's: a GPU backend without a pool report gets no figure.
+    let on_cpu = torch_device(spec).as_deref() == Some("cpu");
     let peak_bytes = pool_peak.or_else(|| {
         let (base, hwm) = (base?, proc_status_bytes("VmHWM:")?);
-        rss_reset.then(|| hwm.saturating_sub(base))
+        (rss_reset && on_cpu).then(|| hwm.saturating_sub(base))
     });
     drop(trained);
 
@@ -645,7 +682,9 @@ mod tests {
                 layers: 8,
                 heads: 8,
                 kv_heads: Some(4),
-                vocab: 1000
+                vocab: 1000,
+                ffn_dim: None,
+                tie_embeddings: false,
             }
         );
         let tiny = Shape::parse("tiny", 1000, None).unwrap();
@@ -660,11 +699,13 @@ mod tests {
 
     #[test]
     fn torch_is_compared_on_the_same_kind_of_device() {
-        assert_eq!(torch_device("cpu"), "cpu");
-        assert_eq!(torch_device("tch"), "cpu");
-        assert_eq!(torch_device("wgpu"), "cpu");
-        assert_eq!(torch_device("cuda:1"), "cuda:1");
-        assert_eq!(torch_device("tch-cuda:0"), "cuda:0");
+        let cpu = Some("cpu".to_string());
+        for spec in ["cpu", "flex", "ndarray", "tch"] {
+            assert_eq!(torch_device(spec), cpu);
+        }
+        assert_eq!(torch_device("wgpu"), None);
+        assert_eq!(torch_device("cuda:1").as_deref(), Some("cuda:1"));
+        assert_eq!(torch_device("tch-cuda:0").as_deref(), Some("cuda:0"));
     }
 
     fn m(attention: &str, fwd: f64, step: f64, peak: Option<u64>) -> Measurement {

@@ -55,6 +55,7 @@ enum Command {
     },
     /// Tokens per second and peak memory of a forward pass and a training step, per backend and
     /// variant, optionally beside PyTorch eager on the same machine.
+    #[command(args_override_self = true)]
     Bench(bench::BenchArgs),
     /// Prepare token shards.
     Data {
