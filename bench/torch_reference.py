@@ -54,20 +54,10 @@ def attend(q, k, v):
     return torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1) @ v
 
 
-def rope(x, theta):
-    """reference.rope, with its tables built on x's device and in x's dtype."""
-    s, d = x.shape[-2], x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
-    angles = torch.arange(s, dtype=torch.float32, device=x.device)[:, None] * inv_freq[None, :]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-
-
 class TransformerAttention(reference.TransformerAttention):
     def forward(self, x):
-        q = rope(reference.heads(self.q_proj(x), self.h), self.theta)
-        k = rope(reference.heads(self.k_proj(x), self.h_kv), self.theta)
+        q = reference.rope(reference.heads(self.q_proj(x), self.h), self.theta)
+        k = reference.rope(reference.heads(self.k_proj(x), self.h_kv), self.theta)
         v = reference.heads(self.v_proj(x), self.h_kv)
         return self.o_proj(reference.merge(attend(q, k, v)))
 
@@ -75,8 +65,8 @@ class TransformerAttention(reference.TransformerAttention):
 class DiffAttention(reference.DiffAttention):
     def forward(self, x):
         b, s, _ = x.shape
-        q = rope(reference.heads(self.q_proj(x), 2 * self.h), self.theta)
-        k = rope(reference.heads(self.k_proj(x), 2 * self.h_kv), self.theta)
+        q = reference.rope(reference.heads(self.q_proj(x), 2 * self.h), self.theta)
+        k = reference.rope(reference.heads(self.k_proj(x), 2 * self.h_kv), self.theta)
         v = reference.heads(self.v_proj(x), self.h_kv)
         q = q.view(b, self.h, 2, s, self.d)
         k = k.view(b, self.h_kv, 2, s, self.d)
@@ -97,8 +87,8 @@ class DiffAttention(reference.DiffAttention):
 class DiffV2Attention(reference.DiffV2Attention):
     def forward(self, x):
         b, s, _ = x.shape
-        q = rope(reference.heads(self.q_proj(x), 2 * self.h), self.theta)
-        k = rope(reference.heads(self.k_proj(x), self.h_kv), self.theta)
+        q = reference.rope(reference.heads(self.q_proj(x), 2 * self.h), self.theta)
+        k = reference.rope(reference.heads(self.k_proj(x), self.h_kv), self.theta)
         v = reference.heads(self.v_proj(x), self.h_kv)
         o = attend(q, k, v).view(b, self.h, 2, s, -1)
         lam = torch.sigmoid(self.lambda_proj(x).float()).to(x.dtype)  # [B, S, H]

@@ -36,9 +36,9 @@ class RMSNorm(nn.Module):
 def rope(x, theta):
     """Rotates adjacent pairs (x[2i], x[2i+1]) of x: [B, H, S, d] by position·θ^(-2i/d)."""
     s, d = x.shape[-2], x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    angles = torch.arange(s, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    cos, sin = angles.cos(), angles.sin()
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    angles = torch.arange(s, dtype=torch.float32, device=x.device)[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # tables on x's device, in its dtype
     x0, x1 = x[..., 0::2], x[..., 1::2]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return out.flatten(-2)
