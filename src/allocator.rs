@@ -28,16 +28,21 @@ fn apply() -> bool {
             let key = key.to_string_lossy();
             key.starts_with("MALLOC_") || key == "GLIBC_TUNABLES"
         });
-        // SAFETY: mallopt only changes allocator parameters; it is called before any other
-        // thread exists.
-        !user_set
-            && unsafe {
-                libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30) == 1
-                    && libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX) == 1
-            }
+        !user_set && set_options()
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
     false
+}
+
+/// Sets the mmap threshold to 1 GiB and turns trimming off; `true` when glibc took both.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn set_options() -> bool {
+    // SAFETY: mallopt only changes allocator parameters; `tune` calls this before any other
+    // thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30) == 1
+            && libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX) == 1
+    }
 }
 
 #[cfg(test)]
@@ -46,10 +51,6 @@ mod tests {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     fn glibc_accepts_the_settings() {
         // Test binaries run with the environment cargo gives them; glibc must take both values.
-        // SAFETY: as in `tune`.
-        unsafe {
-            assert_eq!(libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30), 1);
-            assert_eq!(libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX), 1);
-        }
+        assert!(super::set_options());
     }
 }
