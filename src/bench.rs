@@ -310,7 +310,6 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     if args.reps == 0 || args.seq == 0 || args.batch == 0 {
         bail!("--reps, --seq and --batch must be at least 1");
     }
-    train::float_dtype(&args.dtype).context("--dtype")?;
     let shape = Shape::parse(&args.size, args.vocab, args.kv_heads)?;
     for &attention in &args.attention {
         shape.config(attention, args.seq, args.fused_attention)?;

@@ -73,7 +73,7 @@ pub fn float_dtype(name: &str) -> Result<FloatDType> {
 /// Sets the device's float dtype to the one named (before any tensor exists), refusing what the
 /// device cannot run; `setting` names where the dtype came from in the error.
 pub fn configure_dtype(device: &mut Device, name: &str, spec: &str, setting: &str) -> Result<()> {
-    let dtype = float_dtype(name)?;
+    let dtype = float_dtype(name).with_context(|| format!("`{setting}`"))?;
     if dtype == FloatDType::F32 {
         return Ok(());
     }
