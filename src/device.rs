@@ -51,6 +51,31 @@ macro_rules! backend {
     }};
 }
 
+/// Parses the devices of data-parallel training (`--devices`). Burn 0.22.1 has collective
+/// operations (the all-reduce of gradients) only on CubeCL CUDA, so more than one device must all
+/// be distinct `cuda:N` devices; one device is simply [`parse`]d.
+pub fn parse_data_parallel(specs: &[String]) -> Result<Vec<Device>> {
+    let list = specs.join(",");
+    if specs.len() > 1 {
+        for (i, spec) in specs.iter().enumerate() {
+            if specs[..i].contains(spec) {
+                bail!("--devices {list}: `{spec}` is listed twice");
+            }
+            if !spec.starts_with("cuda:") {
+                bail!(
+                    "--devices {list}: data-parallel training all-reduces gradients with collective \
+                     operations, which Burn 0.22.1 has only on CubeCL CUDA (`cuda:N`), not on `{spec}`; \
+                     train on one device with --device {spec}"
+                );
+            }
+        }
+    }
+    specs
+        .iter()
+        .map(|spec| parse(spec).map_err(|e| anyhow!("--devices {list}: {e}")))
+        .collect()
+}
+
 /// Parses a device string. `cpu` is the default CPU backend (Flex, measured faster than
 /// NdArray on a training step; see the README).
 pub fn parse(spec: &str) -> Result<Device> {

@@ -20,6 +20,9 @@ use anyhow::{Result, bail};
 use diffzoo_models::{AttentionKind, ModelConfig};
 use serde::Serialize;
 
+/// GPUs of one node, the reach of Burn's DDP.
+pub const GPUS_PER_NODE: usize = 8;
+
 /// Usable share of a device's memory (the rest: CUDA context, allocator fragmentation).
 pub const USABLE: f64 = 0.9;
 
@@ -84,6 +87,8 @@ pub struct Plan {
     pub min_gpus_sharded: Option<usize>,
     /// Devices the time is computed for.
     pub gpus: usize,
+    /// Micro-batches of one optimizer step (data parallelism splits them across the GPUs).
+    pub micro_batches: usize,
     pub training_flops: f64,
     pub days: Option<f64>,
     pub gpu_hours: Option<f64>,
@@ -159,9 +164,39 @@ impl Plan {
             needs_checkpointing: !fits_plain && fits_checkpointed,
             min_gpus_sharded,
             gpus,
+            micro_batches: recipe.accumulation(),
             training_flops,
             days: seconds.map(|s| s / 86_400.0),
             gpu_hours: seconds.map(|s| s * gpus as f64 / 3_600.0),
+        })
+    }
+
+    /// How `diffzoo train` runs the plan on several GPUs (nothing for one).
+    fn data_parallel(&self) -> Option<String> {
+        let n = self.gpus;
+        if n == 1 {
+            return None;
+        }
+        Some(if !self.fits_replicated {
+            format!(
+                "diffzoo trains on several GPUs with Burn's DDP, which keeps the whole optimizer state on every GPU: it cannot train this on {} GPUs",
+                self.gpu.name
+            )
+        } else if n > GPUS_PER_NODE {
+            format!(
+                "{n} GPUs are more than one node of {GPUS_PER_NODE}: diffzoo's data parallelism (Burn's DDP) runs on one node"
+            )
+        } else {
+            match crate::train::loader::shares(self.micro_batches, n) {
+                Ok(each) => format!(
+                    "data parallel: train with --devices {} ({each} micro-batches per GPU and step)",
+                    (0..n)
+                        .map(|i| format!("cuda:{i}"))
+                        .collect::<Vec<_>>()
+                        .join(",")
+                ),
+                Err(e) => format!("{e}: change `training.micro_batch`"),
+            }
         })
     }
 
@@ -199,6 +234,9 @@ impl Plan {
                 self.gpu.name
             ),
         });
+        if let Some(line) = self.data_parallel() {
+            lines.push(line);
+        }
         lines.push(match (self.days, self.gpu_hours) {
             (Some(days), Some(hours)) => format!(
                 "{:.3e} training FLOPs: {days:.1} days on {} × {} at {:.0}% MFU ({hours:.0} GPU-hours)",
@@ -265,6 +303,32 @@ mod tests {
     }
 
     #[test]
+    fn a_plan_on_several_gpus_gives_the_data_parallel_command_when_it_can_run() {
+        let recipe = resolve("paper/size-scaling/830m-transformer", &[])
+            .unwrap()
+            .recipe;
+        let line = |gpus| {
+            let plan = Plan::new(&recipe, Gpu::parse("h100").unwrap(), Some(gpus), 0.4).unwrap();
+            assert_eq!(
+                plan.micro_batches, 32,
+                "128 sequences in micro-batches of 4"
+            );
+            plan.data_parallel()
+        };
+        assert_eq!(line(1), None);
+        assert_eq!(
+            line(4).unwrap(),
+            "data parallel: train with --devices cuda:0,cuda:1,cuda:2,cuda:3 (8 micro-batches per GPU and step)"
+        );
+        assert!(
+            line(3).unwrap().contains("32 micro-batches"),
+            "{:?}",
+            line(3)
+        );
+        assert!(line(16).unwrap().contains("more than one node"));
+    }
+
+    #[test]
     fn plan_3b_and_13b_size_their_clusters() {
         let recipe = resolve("paper/3b/diff-360b", &[]).unwrap().recipe;
         let plan = Plan::new(&recipe, Gpu::parse("h100").unwrap(), Some(64), 0.4).unwrap();
@@ -328,6 +392,7 @@ mod tests {
             plan.memory.weights + plan.memory.gradients + plan.memory.activations_checkpointed;
         assert!(replicated + plan.memory.optimizer / n as f64 <= usable);
         assert!(replicated + plan.memory.optimizer / (n - 1) as f64 > usable);
+        assert!(plan.lines().iter().any(|l| l.contains("cannot train this")));
         assert!(Gpu::parse("big").is_err());
         assert_eq!(Gpu::parse("48").unwrap().peak_flops, None);
     }

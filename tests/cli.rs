@@ -612,6 +612,54 @@ fn bf16_on_flex_tracks_f32_and_ndarray_refuses_it() {
     );
 }
 
+#[test]
+fn data_parallel_training_is_refused_where_it_cannot_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let train = |devices: &str| {
+        fails(&[
+            "train",
+            "--recipe",
+            "micro",
+            "--out",
+            path(&out),
+            "--devices",
+            devices,
+        ])
+    };
+    let err = train("flex,ndarray");
+    assert!(
+        err.contains("collective") && err.contains("`cuda:N`") && err.contains("not on `flex`"),
+        "{err}"
+    );
+    let err = train("cuda:0,cuda:0");
+    assert!(err.contains("`cuda:0` is listed twice"), "{err}");
+    // `micro` steps are 2 micro-batches: three GPUs cannot share them evenly.
+    let err = train("cuda:0,cuda:1,cuda:2");
+    assert!(
+        err.contains("micro.toml") && err.contains("2 micro-batches") && err.contains("3 devices"),
+        "{err}"
+    );
+    #[cfg(not(feature = "cuda"))]
+    {
+        let err = train("cuda:0,cuda:1");
+        assert!(err.contains("needs the `cuda` cargo feature"), "{err}");
+    }
+    let err = fails(&[
+        "train",
+        "--recipe",
+        "micro",
+        "--out",
+        path(&out),
+        "--device",
+        "flex",
+        "--devices",
+        "cuda:0,cuda:1",
+    ]);
+    assert!(err.contains("cannot be used with"), "{err}");
+    assert!(!out.exists(), "a refused run leaves nothing behind");
+}
+
 fn json(args: &[&str]) -> Value {
     let stdout = ok(args);
     serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}):\n{stdout}"))
@@ -863,6 +911,56 @@ fn micro_trains_alike_on_every_backend() {
                 "{device}: loss {a} vs flex {b}"
             );
         }
+    }
+}
+
+/// Data-parallel training over the GPUs in `DIFFZOO_DDP_DEVICES` (e.g. `cuda:0,cuda:1`) sees the
+/// samples one GPU sees, in shares, and averages their gradients: its losses are the first GPU's.
+#[test]
+#[ignore = "needs several GPUs: DIFFZOO_DDP_DEVICES=cuda:0,cuda:1 (run by .ci/gpu-check)"]
+fn data_parallel_training_tracks_one_device() {
+    let devices = std::env::var("DIFFZOO_DDP_DEVICES").expect("DIFFZOO_DDP_DEVICES");
+    let first = devices.split(',').next().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let train = |flag: &str, value: &str| {
+        let out = dir.path().join(flag);
+        ok(&[
+            "train",
+            "--recipe",
+            "micro",
+            "--no-dashboard",
+            "--set",
+            "training.steps=4",
+            "--set",
+            "checkpoint.interval=2",
+            // 8 micro-batches of one sequence: 1, 2, 4 or 8 GPUs share them evenly.
+            "--set",
+            "training.micro_batch=1",
+            flag,
+            value,
+            "--out",
+            path(&out),
+        ]);
+        ["train", "validation"].map(|split| {
+            records(&out, split)
+                .iter()
+                .map(|r| (r["step"].as_u64().unwrap(), r["loss"].as_f64().unwrap()))
+                .collect::<Vec<_>>()
+        })
+    };
+    let [train_one, valid_one] = train("--device", first);
+    let [train_all, valid_all] = train("--devices", &devices);
+    assert_eq!((train_all.len(), valid_all.len()), (4, 2));
+    for ((s, a), (t, b)) in train_all
+        .iter()
+        .chain(&valid_all)
+        .zip(train_one.iter().chain(&valid_one))
+    {
+        assert_eq!(s, t);
+        assert!(
+            (a - b).abs() <= 1e-3 * b.abs(),
+            "step {s}: {devices} {a} vs {first} {b}"
+        );
     }
 }
 

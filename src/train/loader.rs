@@ -2,6 +2,13 @@
 //! one optimizer step: its global step index and its micro-batches. The samples of step `k` are
 //! positions `k·B .. (k+1)·B` of the recipe's sample order, so a run resumed at a checkpoint
 //! continues with exactly the samples an uninterrupted run would have seen.
+//!
+//! Data-parallel training ([`StepLoader::data_parallel`]) splits each step's samples into equal
+//! shares, one per device, in device order: rank `r` of `N` gets positions
+//! `k·B + r·B/N .. k·B + (r+1)·B/N`, so the devices together see exactly the samples one device
+//! would. Burn's DDP strategy slices the loader into one contiguous item range per device
+//! (`split_dataloader`); a data-parallel loader therefore has `N ×` the epoch's steps as items,
+//! rank-major, and a slice is one rank's whole share.
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
@@ -12,7 +19,7 @@ use diffzoo_datasets::{LmBatch, LmBatcher, SampleOrder, TokenWindows};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// One optimizer step's data.
+/// One optimizer step's data (under data parallelism: one device's share of it).
 #[derive(Debug, Clone)]
 pub struct StepBatch {
     /// Global 0-based optimizer step (0 for validation).
@@ -44,6 +51,10 @@ pub struct StepLoader {
     epochs: Epochs,
     /// Items `range.0 .. range.1` of each epoch (a `slice` of the loader).
     range: Option<(usize, usize)>,
+    /// Devices sharing each step (1: no data parallelism).
+    ranks: usize,
+    /// The one share this loader serves (a `slice` of a data-parallel loader); `None`: all.
+    rank: Option<usize>,
     device: Device,
 }
 
@@ -71,6 +82,8 @@ impl StepLoader {
             total_steps,
             epochs: Epochs::Counter(Arc::new(AtomicUsize::new(first_epoch))),
             range: None,
+            ranks: 1,
+            rank: None,
             device,
         }
     }
@@ -93,6 +106,8 @@ impl StepLoader {
             total_steps: batches,
             epochs: Epochs::Fixed,
             range: None,
+            ranks: 1,
+            rank: None,
             device,
         }
     }
@@ -101,6 +116,21 @@ impl StepLoader {
     pub fn with_needles(mut self, mix: NeedleMix) -> Self {
         self.needles = Some(Arc::new(mix));
         self
+    }
+
+    /// Splits each step across `ranks` devices; the step's micro-batches must divide evenly
+    /// (see [`shares`]).
+    pub fn data_parallel(mut self, ranks: usize) -> Self {
+        if let Err(e) = shares(self.sequences / self.micro_batch, ranks) {
+            panic!("{e}");
+        }
+        self.ranks = ranks;
+        self
+    }
+
+    /// The ranks this loader serves.
+    fn rank_range(&self) -> (usize, usize) {
+        self.rank.map_or((0, self.ranks), |r| (r, r + 1))
     }
 
     /// The sample at `position` of the training stream.
@@ -139,11 +169,10 @@ impl StepLoader {
         }
     }
 
-    fn item(&self, step: usize) -> StepBatch {
-        let first = (step * self.sequences) as u64;
-        let windows: Vec<Vec<u32>> = (0..self.sequences as u64)
-            .map(|i| self.sample(first + i))
-            .collect();
+    fn item(&self, step: usize, rank: usize) -> StepBatch {
+        let share = self.sequences / self.ranks;
+        let first = (step * self.sequences + rank * share) as u64;
+        let windows: Vec<Vec<u32>> = (0..share as u64).map(|i| self.sample(first + i)).collect();
         let micro = windows
             .chunks(self.micro_batch)
             .map(|chunk| LmBatcher.batch(chunk.to_vec(), &self.device))
@@ -156,21 +185,30 @@ impl StepLoader {
     }
 }
 
+/// An epoch's items: steps `first .. first + count` of each rank in `ranks`, rank-major.
 struct StepIter<'a> {
     loader: &'a StepLoader,
     first: usize,
     count: usize,
+    ranks: (usize, usize),
     done: usize,
+}
+
+impl StepIter<'_> {
+    fn total(&self) -> usize {
+        self.count * (self.ranks.1 - self.ranks.0)
+    }
 }
 
 impl Iterator for StepIter<'_> {
     type Item = Result<StepBatch, DatasetError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        if self.done == self.count {
+        if self.done == self.total() {
             return None;
         }
-        let item = self.loader.item(self.first + self.done);
+        let rank = self.ranks.0 + self.done / self.count;
+        let item = self.loader.item(self.first + self.done % self.count, rank);
         self.done += 1;
         Some(Ok(item))
     }
@@ -178,7 +216,7 @@ impl Iterator for StepIter<'_> {
 
 impl DataLoaderIterator<StepBatch> for StepIter<'_> {
     fn progress(&self) -> Progress {
-        Progress::new(self.done, self.count, Some("steps".into()))
+        Progress::new(self.done, self.total(), Some("steps".into()))
     }
 }
 
@@ -189,12 +227,14 @@ impl DataLoader<StepBatch> for StepLoader {
             loader: self,
             first,
             count,
+            ranks: self.rank_range(),
             done: 0,
         })
     }
 
     fn num_items(&self) -> usize {
-        self.epoch_steps(self.next_epoch()).1
+        let (ranks, count) = (self.rank_range(), self.epoch_steps(self.next_epoch()).1);
+        (ranks.1 - ranks.0) * count
     }
 
     fn to_device(&self, device: &Device) -> Arc<dyn DataLoader<StepBatch>> {
@@ -203,9 +243,114 @@ impl DataLoader<StepBatch> for StepLoader {
         Arc::new(loader)
     }
 
+    /// A data-parallel loader is sliced into whole ranks (as Burn's `split_dataloader` does, one
+    /// equal range per device); each slice counts its own epochs.
     fn slice(&self, start: usize, end: usize) -> Arc<dyn DataLoader<StepBatch>> {
         let mut loader = self.clone();
-        loader.range = Some((start, end));
+        if self.ranks == 1 {
+            loader.range = Some((start, end));
+            return Arc::new(loader);
+        }
+        let count = self.epoch_steps(self.next_epoch()).1;
+        let rank = start.checked_div(count).unwrap_or(0);
+        assert!(
+            self.rank.is_none() && end - start == count && start == rank * count,
+            "a data-parallel loader of {} ranks × {count} steps is sliced by whole ranks, not {start}..{end}",
+            self.ranks
+        );
+        loader.rank = Some(rank);
+        if let Epochs::Counter(next) = &self.epochs {
+            loader.epochs =
+                Epochs::Counter(Arc::new(AtomicUsize::new(next.load(Ordering::SeqCst))));
+        }
         Arc::new(loader)
+    }
+}
+
+/// Micro-batches per device and step when `ranks` devices share a step of `micro_batches`.
+pub fn shares(micro_batches: usize, ranks: usize) -> Result<usize, String> {
+    if ranks == 0 || !micro_batches.is_multiple_of(ranks) {
+        return Err(format!(
+            "a step's {micro_batches} micro-batches (`training.batch_tokens` / `data.seq_len` / `training.micro_batch`) \
+             do not divide evenly across {ranks} devices: every device runs the same number of micro-batches"
+        ));
+    }
+    Ok(micro_batches / ranks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::data::dataloader::split::split_dataloader;
+    use diffzoo_datasets::shards::prepare;
+    use diffzoo_datasets::{Document, InMemory, PrepareOptions, Shards, Split, TextTokenizer};
+
+    /// Windows of 8 tokens over the start of a play.
+    fn windows(dir: &std::path::Path) -> Arc<TokenWindows> {
+        let text = diffzoo_datasets::corpus::plays()[0].text[..20_000].to_string();
+        let tokenizer = TextTokenizer::train_bpe(std::iter::once(text.as_str()), 300).unwrap();
+        let mut options = PrepareOptions::new(dir.join("shards"));
+        options.validation_every = 0;
+        let docs = vec![Document {
+            origin: "play".into(),
+            text,
+        }];
+        prepare(InMemory::new(docs), &tokenizer, &options, Vec::new()).unwrap();
+        let shards = Shards::open(&dir.join("shards")).unwrap();
+        Arc::new(TokenWindows::new(shards.tokens(Split::Train).unwrap(), 8))
+    }
+
+    fn ids(batch: &LmBatch) -> Vec<i64> {
+        batch.inputs.clone().into_data().iter::<i64>().collect()
+    }
+
+    /// One epoch of a loader: each item's step and its micro-batches' input ids.
+    fn epoch(loader: &dyn DataLoader<StepBatch>) -> Vec<(usize, Vec<Vec<i64>>)> {
+        let mut iter = loader.iter();
+        let mut items = Vec::new();
+        for item in iter.by_ref() {
+            let item = item.unwrap();
+            items.push((item.step, item.micro.iter().map(ids).collect()));
+        }
+        assert_eq!(iter.progress().items_processed, items.len());
+        items
+    }
+
+    #[test]
+    fn data_parallel_shares_make_up_each_step_and_each_rank_counts_its_epochs() {
+        let dir = tempfile::tempdir().unwrap();
+        let device = Device::flex();
+        // 8 sequences of 2-sequence micro-batches per step; epochs of 3 steps, 5 steps in all.
+        let single = StepLoader::training(windows(dir.path()), 3, 8, 2, 3, 5, 1, device.clone());
+        let parallel = single.clone().data_parallel(2);
+        assert_eq!(parallel.num_items(), 2 * 3);
+        let ranks = split_dataloader(Arc::new(parallel), &[device.clone(), device]);
+        for steps in [3, 2] {
+            let whole = epoch(&single);
+            let shares: Vec<_> = ranks.iter().map(|rank| epoch(rank.as_ref())).collect();
+            assert_eq!(whole.len(), steps);
+            for (k, (step, micro)) in whole.iter().enumerate() {
+                let (step0, micro0) = &shares[0][k];
+                let (step1, micro1) = &shares[1][k];
+                assert_eq!((step0, step1), (step, step));
+                assert_eq!((micro0.len(), micro1.len()), (2, 2));
+                let joined: Vec<_> = micro0.iter().chain(micro1).cloned().collect();
+                assert_eq!(
+                    &joined, micro,
+                    "step {step}: rank 0's samples, then rank 1's"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_step_is_shared_only_by_a_divisor_of_its_micro_batches() {
+        assert_eq!(shares(4, 2), Ok(2));
+        assert_eq!(shares(4, 1), Ok(4));
+        let err = shares(6, 4).unwrap_err();
+        assert!(
+            err.contains("6 micro-batches") && err.contains("4 devices"),
+            "{err}"
+        );
     }
 }

@@ -3,7 +3,10 @@
 //! A learner "epoch" is one checkpoint interval of optimizer steps; validation and checkpoints
 //! happen at its end. Each loader item is one optimizer step (all its micro-batches), so
 //! accumulation averages and clipping uses the global norm (see [`step`]), and the data cursor
-//! is a function of the step (see [`loader`]), which makes `--resume` exact.
+//! is a function of the step (see [`loader`]), which makes `--resume` exact. With `--devices`,
+//! Burn's DDP runs one replica per GPU: each takes an equal share of every step's micro-batches
+//! and the gradients are all-reduced (mean) in the backward pass, so clipping and the update are
+//! those of one device seeing the whole batch (see [`loader`] and [`step`]).
 
 pub mod checkpoint;
 pub mod grads;
@@ -22,6 +25,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::module::ParamGroup;
 use burn::optim::AdamWConfig;
+use burn::tensor::distributed::{DistributedConfig, ReduceOperation};
 use burn::tensor::{Device, DeviceConfig, FloatDType};
 use burn::train::checkpoint::KeepLastNCheckpoints;
 use burn::train::metric::LearningRateMetric;
@@ -46,6 +50,10 @@ pub struct TrainArgs {
     /// Device, e.g. cpu, flex, ndarray, wgpu, tch, tch-cuda:0, cuda:0 (default: the recipe's).
     #[arg(long)]
     pub device: Option<String>,
+    /// Train data-parallel on these GPUs, e.g. cuda:0,cuda:1 (Burn's DDP: each step's batch is
+    /// split across them and the gradients all-reduced).
+    #[arg(long, value_delimiter = ',', conflicts_with = "device")]
+    pub devices: Vec<String>,
     /// Run directory (default: runs/<recipe name>).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -188,12 +196,20 @@ pub fn optimizer(o: &OptimizerSection) -> Result<burn::optim::ModuleOptimizer> {
 pub fn run(args: &TrainArgs) -> Result<()> {
     let resolved = recipe::resolve(&args.recipe, &args.overrides)?;
     let recipe = &resolved.recipe;
-    let spec = args
-        .device
-        .clone()
-        .unwrap_or_else(|| recipe.training.device.clone());
-    let mut device = device::parse(&spec)?;
-    configure_dtype(&mut device, &recipe.training.dtype, &spec, "training.dtype")?;
+    let specs = match (&args.device, args.devices.is_empty()) {
+        (_, false) => args.devices.clone(),
+        (Some(spec), true) => vec![spec.clone()],
+        (None, true) => vec![recipe.training.device.clone()],
+    };
+    let ranks = specs.len();
+    let shares = loader::shares(recipe.accumulation(), ranks)
+        .map_err(|e| anyhow!("{}: --devices {}: {e}", resolved.source, specs.join(",")))?;
+    let mut devices = device::parse_data_parallel(&specs)?;
+    for (device, spec) in devices.iter_mut().zip(&specs) {
+        configure_dtype(device, &recipe.training.dtype, spec, "training.dtype")?;
+    }
+    let device = devices[0].clone();
+    let spec = specs.join(",");
     let dir = args
         .out
         .clone()
@@ -252,18 +268,21 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let dashboard = !args.no_dashboard && std::io::stdout().is_terminal();
     let interrupter = Interrupter::new();
     let schedule = Schedule::from_recipe(recipe);
-    let context = Arc::new(StepContext::new(
-        schedule,
-        recipe.optimizer.grad_clip,
-        recipe.training.batch_tokens as u64,
-        total,
-        interrupter.clone(),
-        (!dashboard).then_some(recipe.training.log_every),
-        valid_batches,
-        MetricsLog::open(&dir.join(run::METRICS))
-            .with_context(|| format!("opening {}", dir.join(run::METRICS).display()))?,
-        resume_from * interval,
-    ));
+    let context = Arc::new(
+        StepContext::new(
+            schedule,
+            recipe.optimizer.grad_clip,
+            recipe.training.batch_tokens as u64,
+            total,
+            interrupter.clone(),
+            (!dashboard).then_some(recipe.training.log_every),
+            valid_batches,
+            MetricsLog::open(&dir.join(run::METRICS))
+                .with_context(|| format!("opening {}", dir.join(run::METRICS).display()))?,
+            resume_from * interval,
+        )
+        .data_parallel(ranks),
+    );
     let trainee = Trainee {
         model,
         context: Some(context.clone()),
@@ -279,6 +298,11 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         recipe.accumulation(),
         dir.display()
     );
+    if ranks > 1 {
+        println!(
+            "data parallel over {ranks} devices: {shares} micro-batches each per step, gradients averaged by all-reduce"
+        );
+    }
     if resume_from > 0 {
         println!(
             "resuming from checkpoint {resume_from} (step {})",
@@ -299,6 +323,17 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if let Some(needles) = &recipe.data.needles {
         train_loader = train_loader.with_needles(needle_mix(recipe, needles, &tokenizer)?);
     }
+    let strategy = if ranks == 1 {
+        ExecutionStrategy::single(train_device)
+    } else {
+        train_loader = train_loader.data_parallel(ranks);
+        ExecutionStrategy::ddp(
+            devices.into_iter().map(Device::autodiff).collect(),
+            DistributedConfig {
+                all_reduce_op: ReduceOperation::Mean,
+            },
+        )
+    };
     let valid_loader = StepLoader::validation(valid, micro, valid_batches, device.clone());
     let checkpoints = dir.join(run::CHECKPOINTS);
     let mut training =
@@ -317,7 +352,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             )
             .with_checkpointing_strategy(KeepLastNCheckpoints::new(recipe.checkpoint.keep))
             .with_interrupter(interrupter)
-            .with_training_strategy(ExecutionStrategy::single(train_device).into())
+            .with_training_strategy(strategy.into())
             .num_epochs(epochs);
     if recipe.model.attention == diffzoo_models::AttentionKind::Diff {
         for layer in 0..recipe.model.layers {

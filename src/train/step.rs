@@ -12,7 +12,7 @@ use burn::tensor::{DType, Tensor};
 use burn::train::{InferenceStep, Interrupter, TrainOutput, TrainStep};
 use diffzoo_datasets::LmBatch;
 use diffzoo_models::Model;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Barrier, Mutex};
 use std::time::Instant;
 
 /// Mean next-token cross-entropy of a batch, in f32 whatever the model's dtype.
@@ -54,6 +54,9 @@ pub struct StepContext {
     pub interrupter: Interrupter,
     print_every: Option<usize>,
     valid_batches: usize,
+    /// Devices training data-parallel, each reporting its share of every step.
+    rank_count: usize,
+    ranks: Barrier,
     state: Mutex<ContextState>,
 }
 
@@ -64,6 +67,10 @@ struct ContextState {
     /// Optimizer steps completed.
     steps_done: usize,
     valid: (f64, usize, usize),
+    /// The ranks' summed losses and tokens of the step being gathered.
+    gathering: (f64, usize),
+    /// The last step's statistics, as recorded.
+    gathered: Option<StepStats>,
     failure: Option<String>,
 }
 
@@ -95,15 +102,26 @@ impl StepContext {
             interrupter,
             print_every,
             valid_batches,
+            rank_count: 1,
+            ranks: Barrier::new(1),
             state: Mutex::new(ContextState {
                 log,
                 started: Instant::now(),
                 last_step_end: None,
                 steps_done,
                 valid: (0.0, 0, 0),
+                gathering: (0.0, 0),
+                gathered: None,
                 failure: None,
             }),
         }
+    }
+
+    /// Steps are shared by `ranks` devices (data parallelism), each reporting its share.
+    pub fn data_parallel(mut self, ranks: usize) -> Self {
+        self.rank_count = ranks;
+        self.ranks = Barrier::new(ranks);
+        self
     }
 
     /// Why training stopped early, if it did.
@@ -111,8 +129,42 @@ impl StepContext {
         self.state.lock().expect("context lock").failure.clone()
     }
 
-    fn train_step(&self, step: usize, stats: &StepStats, started: Instant) -> StepStats {
-        let mut state = self.state.lock().expect("context lock");
+    /// Records step `step` once every rank has reported its share: the loss is the mean of the
+    /// ranks' losses (each the mean of as many micro-batches), tokens their sum; the gradient
+    /// norm and λ, the same on every rank after the all-reduce, are this rank's. Every rank gets
+    /// the step's statistics back, and a stop decided here is seen by all of them.
+    fn train_step(&self, step: usize, local: &StepStats, started: Instant) -> StepStats {
+        {
+            let mut state = self.state.lock().expect("context lock");
+            state.gathering.0 += local.loss;
+            state.gathering.1 += local.tokens;
+        }
+        if self.ranks.wait().is_leader() {
+            let mut state = self.state.lock().expect("context lock");
+            let (loss, tokens) = std::mem::take(&mut state.gathering);
+            let stats = StepStats {
+                loss: loss / self.rank_count as f64,
+                tokens,
+                ..local.clone()
+            };
+            let stats = self.record(&mut state, step, &stats, started);
+            state.gathered = Some(stats);
+        }
+        self.ranks.wait();
+        let state = self.state.lock().expect("context lock");
+        state
+            .gathered
+            .clone()
+            .expect("the leader recorded the step")
+    }
+
+    fn record(
+        &self,
+        state: &mut ContextState,
+        step: usize,
+        stats: &StepStats,
+        started: Instant,
+    ) -> StepStats {
         let now = Instant::now();
         let since = state.last_step_end.unwrap_or(started);
         state.last_step_end = Some(now);
@@ -275,5 +327,86 @@ impl InferenceStep for Trainee {
         };
         self.context().valid_batch(&stats);
         stats
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::recipe;
+
+    fn context(dir: &std::path::Path, ranks: usize) -> Arc<StepContext> {
+        let micro = recipe::resolve("micro", &[]).unwrap().recipe;
+        let log = MetricsLog::open(&dir.join("metrics.jsonl")).unwrap();
+        let context = StepContext::new(
+            Schedule::from_recipe(&micro),
+            1.0,
+            256,
+            20,
+            Interrupter::new(),
+            None,
+            2,
+            log,
+            0,
+        );
+        Arc::new(context.data_parallel(ranks))
+    }
+
+    /// Each rank reports its share of `step` from its own thread, as DDP's workers do.
+    fn report(context: &Arc<StepContext>, step: usize, losses: &[f64]) -> Vec<StepStats> {
+        let workers: Vec<_> = losses
+            .iter()
+            .map(|&loss| {
+                let context = context.clone();
+                std::thread::spawn(move || {
+                    let local = StepStats {
+                        loss,
+                        tokens: 64,
+                        grad_norm: Some(0.5),
+                        ..Default::default()
+                    };
+                    context.train_step(step, &local, Instant::now())
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    }
+
+    fn logged(dir: &std::path::Path) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn ranks_report_one_step_once_with_the_mean_loss_and_all_tokens() {
+        let dir = tempfile::tempdir().unwrap();
+        let context = context(dir.path(), 2);
+        for step in 0..3 {
+            let got = report(&context, step, &[1.0 + step as f64, 3.0 + step as f64]);
+            for stats in got {
+                assert_eq!(stats.loss, 2.0 + step as f64);
+                assert_eq!(stats.tokens, 128);
+                assert_eq!(stats.grad_norm, Some(0.5));
+            }
+        }
+        let records = logged(dir.path());
+        assert_eq!(records.len(), 3, "one record per step: {records:?}");
+        for (step, record) in records.iter().enumerate() {
+            assert_eq!(record["step"], step + 1);
+            assert_eq!(record["loss"], 2.0 + step as f64);
+        }
+    }
+
+    #[test]
+    fn a_non_finite_loss_on_one_rank_stops_every_rank() {
+        let dir = tempfile::tempdir().unwrap();
+        let context = context(dir.path(), 3);
+        let got = report(&context, 0, &[1.0, f64::NAN, 1.0]);
+        assert!(got.iter().all(|s| s.loss.is_nan()));
+        assert!(context.interrupter.should_stop());
+        assert!(context.failure().unwrap().contains("step 1"));
     }
 }
