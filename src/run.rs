@@ -164,9 +164,18 @@ pub fn load_weights(
     Ok((model, weights))
 }
 
-/// Writes the final model as `model.bpk` and `model.safetensors`.
+/// Writes the final model as `model.safetensors`, then `model.bpk` (whose presence marks a
+/// finished run), each to a temporary name renamed into place: a crash leaves no torn file.
 pub fn save_final(run: &Path, model: &Model) -> Result<()> {
     use burn::store::{ModuleSnapshot, SafetensorsStore};
+    let safetensors = run.join(FINAL_SAFETENSORS);
+    let tmp = run.join("model.safetensors.tmp");
+    let mut store = SafetensorsStore::from_file(&tmp).overwrite(true);
+    model
+        .save_into(&mut store)
+        .map_err(|e| anyhow!("{}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, &safetensors)
+        .with_context(|| format!("writing {}", safetensors.display()))?;
     let bpk = run.join(FINAL_MODEL);
     let tmp = run.join("model.bpk.tmp");
     model
@@ -174,10 +183,46 @@ pub fn save_final(run: &Path, model: &Model) -> Result<()> {
         .save_file(&tmp)
         .with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, &bpk).with_context(|| format!("writing {}", bpk.display()))?;
-    let safetensors = run.join(FINAL_SAFETENSORS);
-    let mut store = SafetensorsStore::from_file(&safetensors).overwrite(true);
-    model
-        .save_into(&mut store)
-        .map_err(|e| anyhow!("{}: {e}", safetensors.display()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::store::{ModuleSnapshot, SafetensorsStore};
+    use diffzoo_models::AttentionKind;
+
+    #[test]
+    fn the_final_model_is_written_whole_in_both_formats() {
+        let dir = tempfile::tempdir().unwrap();
+        let device = Device::flex();
+        let config = ModelConfig::new(AttentionKind::Diff, 16, 2, 2, 20, 8);
+        device.seed(1);
+        let model = config.init(&device);
+        save_final(dir.path(), &model).unwrap();
+        let names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+        // Loaded into models initialised differently: equal logits mean every weight was read.
+        device.seed(2);
+        let (from_bpk, _) = load_weights(dir.path(), &config, &device).unwrap();
+        let mut from_safetensors = config.init(&device);
+        from_safetensors
+            .load_from(&mut SafetensorsStore::from_file(
+                dir.path().join(FINAL_SAFETENSORS),
+            ))
+            .unwrap();
+        let want = model.forward(ids(&device));
+        for loaded in [from_bpk, from_safetensors] {
+            let got = loaded.forward(ids(&device));
+            let diff = (got - want.clone()).abs().max().into_scalar::<f32>();
+            assert_eq!(diff, 0.0);
+        }
+    }
+
+    fn ids(device: &Device) -> burn::tensor::Tensor<2, burn::tensor::Int> {
+        burn::tensor::Tensor::from_data([[1, 5, 7, 19]], device)
+    }
 }

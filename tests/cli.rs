@@ -62,6 +62,10 @@ fn train_checkpoint_resume_generate_and_evaluate() {
     ] {
         assert!(whole.join(file).exists(), "{file}");
     }
+    for entry in std::fs::read_dir(&whole).unwrap() {
+        let name = entry.unwrap().file_name();
+        assert!(!name.to_string_lossy().ends_with(".tmp"), "{name:?} left");
+    }
     let train = records(&whole, "train");
     assert_eq!(train.len(), 20);
     assert_eq!(
