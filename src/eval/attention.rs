@@ -93,15 +93,8 @@ pub fn measure(
     if samples == 0 || needles == 0 {
         bail!("--samples and --needles must be positive");
     }
-    if let Some(d) = depths.iter().find(|d| !(0.0..=1.0).contains(*d)) {
-        bail!("--depths: {d} is outside [0, 1]");
-    }
-    let digits = loaded
-        .recipe
-        .data
-        .needles
-        .as_ref()
-        .map_or_else(crate::recipe::default_digits, |n| n.digits);
+    super::needle::check_depths(depths)?;
+    let digits = loaded.needle_digits();
     let haystack = loaded.validation()?;
     let mut rows = Vec::new();
     for &depth in depths {

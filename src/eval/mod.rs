@@ -81,6 +81,15 @@ impl Loaded {
         self.recipe.model_config().max_seq_len
     }
 
+    /// Digits of the needles' magic numbers: as the run trained with, else the default.
+    pub fn needle_digits(&self) -> usize {
+        self.recipe
+            .data
+            .needles
+            .as_ref()
+            .map_or_else(crate::recipe::default_digits, |n| n.digits)
+    }
+
     /// Validation windows of the run's sequence length, refusing a split shorter than one.
     pub fn validation_windows(&self) -> Result<TokenWindows> {
         self.validation_windows_of(&self.shards)

@@ -69,6 +69,14 @@ pub struct Grid {
     pub seed: u64,
 }
 
+/// Refuses a needle depth outside [0, 1] (0: the start of the context, 1: its end).
+pub fn check_depths(depths: &[f64]) -> Result<()> {
+    if let Some(d) = depths.iter().find(|d| !(0.0..=1.0).contains(*d)) {
+        bail!("--depths: {d} is outside [0, 1]");
+    }
+    Ok(())
+}
+
 impl GridArgs {
     pub fn resolve(&self, loaded: &Loaded) -> Result<Grid> {
         let context = loaded.context();
@@ -92,20 +100,11 @@ impl GridArgs {
         if self.queries.contains(&0) {
             bail!("--queries: at least one needle must be asked about");
         }
-        if let Some(d) = self.depths.iter().find(|d| !(0.0..=1.0).contains(*d)) {
-            bail!("--depths: {d} is outside [0, 1]");
-        }
+        check_depths(&self.depths)?;
         if self.samples == 0 {
             bail!("--samples must be positive");
         }
-        let digits = self.digits.unwrap_or_else(|| {
-            loaded
-                .recipe
-                .data
-                .needles
-                .as_ref()
-                .map_or_else(crate::recipe::default_digits, |n| n.digits)
-        });
+        let digits = self.digits.unwrap_or_else(|| loaded.needle_digits());
         if !(1..=18).contains(&digits) {
             bail!("--digits: {digits} is outside 1..=18");
         }
