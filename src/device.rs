@@ -55,20 +55,24 @@ macro_rules! backend {
 /// operations (the all-reduce of gradients) only on CubeCL CUDA, so more than one device must all
 /// be distinct `cuda:N` devices; one device is simply [`parse`]d.
 pub fn parse_data_parallel(specs: &[String]) -> Result<Vec<Device>> {
+    if let [spec] = specs {
+        return Ok(vec![parse(spec)?]);
+    }
     let list = specs.join(",");
-    if specs.len() > 1 {
-        for (i, spec) in specs.iter().enumerate() {
-            if specs[..i].contains(spec) {
-                bail!("--devices {list}: `{spec}` is listed twice");
-            }
-            if !spec.starts_with("cuda:") {
-                bail!(
-                    "--devices {list}: data-parallel training all-reduces gradients with collective \
-                     operations, which Burn 0.22.1 has only on CubeCL CUDA (`cuda:N`), not on `{spec}`; \
-                     train on one device with --device {spec}"
-                );
-            }
+    let mut seen = Vec::new();
+    for spec in specs {
+        let (kind, index) = split(spec).map_err(|e| anyhow!("--devices {list}: {e}"))?;
+        if kind != "cuda" {
+            bail!(
+                "--devices {list}: data-parallel training all-reduces gradients with collective \
+                 operations, which Burn 0.22.1 has only on CubeCL CUDA (`cuda:N`), not on `{spec}`; \
+                 train on one device with --device {spec}"
+            );
         }
+        if seen.contains(&index) {
+            bail!("--devices {list}: `{spec}` names a GPU listed before it");
+        }
+        seen.push(index);
     }
     specs
         .iter()
@@ -76,19 +80,23 @@ pub fn parse_data_parallel(specs: &[String]) -> Result<Vec<Device>> {
         .collect()
 }
 
-/// Parses a device string. `cpu` is the default CPU backend (Flex, measured faster than
-/// NdArray on a training step; see the README).
-pub fn parse(spec: &str) -> Result<Device> {
-    let (kind, index) = match spec.split_once(':') {
+/// A device string's kind and index (`cuda:1` → `("cuda", Some(1))`).
+fn split(spec: &str) -> Result<(&str, Option<usize>)> {
+    Ok(match spec.split_once(':') {
         Some((kind, index)) => {
-            let index: usize = index
+            let index = index
                 .parse()
-                .map_err(|_| anyhow::anyhow!("device `{spec}`: `{index}` is not a device index"))?;
+                .map_err(|_| anyhow!("device `{spec}`: `{index}` is not a device index"))?;
             (kind, Some(index))
         }
         None => (spec, None),
-    };
-    match (kind, index) {
+    })
+}
+
+/// Parses a device string. `cpu` is the default CPU backend (Flex, measured faster than
+/// NdArray on a training step; see the README).
+pub fn parse(spec: &str) -> Result<Device> {
+    match split(spec)? {
         #[cfg(feature = "flex")]
         ("cpu", None) => backend!(spec, "flex", Device::flex()),
         #[cfg(not(feature = "flex"))]

@@ -89,6 +89,8 @@ pub struct Plan {
     pub gpus: usize,
     /// Micro-batches of one optimizer step (data parallelism splits them across the GPUs).
     pub micro_batches: usize,
+    /// How `diffzoo train --devices` runs it on `gpus` GPUs, or why it cannot (none for one).
+    pub data_parallel: Option<String>,
     pub training_flops: f64,
     pub days: Option<f64>,
     pub gpu_hours: Option<f64>,
@@ -117,6 +119,9 @@ impl Plan {
     pub fn new(recipe: &Recipe, gpu: Gpu, gpus: Option<usize>, mfu: f64) -> Result<Self> {
         if !(mfu > 0.0 && mfu <= 1.0) {
             bail!("--mfu {mfu}: expected a fraction in (0, 1]");
+        }
+        if gpus == Some(0) {
+            bail!("--gpus 0: expected at least one GPU");
         }
         let b = match recipe.training.dtype.as_str() {
             "f32" => 4,
@@ -155,7 +160,7 @@ impl Plan {
         let seconds = gpu
             .peak_flops
             .map(|peak| training_flops / (gpus as f64 * peak * mfu));
-        Ok(Self {
+        let mut plan = Self {
             gpu,
             mfu,
             bytes_per_element: b,
@@ -168,11 +173,14 @@ impl Plan {
             training_flops,
             days: seconds.map(|s| s / 86_400.0),
             gpu_hours: seconds.map(|s| s * gpus as f64 / 3_600.0),
-        })
+            data_parallel: None,
+        };
+        plan.data_parallel = plan.data_parallel_advice();
+        Ok(plan)
     }
 
     /// How `diffzoo train` runs the plan on several GPUs (nothing for one).
-    fn data_parallel(&self) -> Option<String> {
+    fn data_parallel_advice(&self) -> Option<String> {
         let n = self.gpus;
         if n == 1 {
             return None;
@@ -182,6 +190,8 @@ impl Plan {
                 "diffzoo trains on several GPUs with Burn's DDP, which keeps the whole optimizer state on every GPU: it cannot train this on {} GPUs",
                 self.gpu.name
             )
+        } else if self.needs_checkpointing {
+            "diffzoo's data parallelism (Burn's DDP) keeps a whole replica on every GPU, which fits only with the recomputation above".into()
         } else if n > GPUS_PER_NODE {
             format!(
                 "{n} GPUs are more than one node of {GPUS_PER_NODE}: diffzoo's data parallelism (Burn's DDP) runs on one node"
@@ -234,9 +244,7 @@ impl Plan {
                 self.gpu.name
             ),
         });
-        if let Some(line) = self.data_parallel() {
-            lines.push(line);
-        }
+        lines.extend(self.data_parallel.clone());
         lines.push(match (self.days, self.gpu_hours) {
             (Some(days), Some(hours)) => format!(
                 "{:.3e} training FLOPs: {days:.1} days on {} × {} at {:.0}% MFU ({hours:.0} GPU-hours)",
@@ -313,7 +321,7 @@ mod tests {
                 plan.micro_batches, 32,
                 "128 sequences in micro-batches of 4"
             );
-            plan.data_parallel()
+            plan.data_parallel
         };
         assert_eq!(line(1), None);
         assert_eq!(
@@ -326,6 +334,15 @@ mod tests {
             line(3)
         );
         assert!(line(16).unwrap().contains("more than one node"));
+        assert!(Plan::new(&recipe, Gpu::parse("h100").unwrap(), Some(0), 0.4).is_err());
+        let three_b = resolve("paper/3b/diff-360b", &[]).unwrap().recipe;
+        let plan = Plan::new(&three_b, Gpu::parse("h100").unwrap(), Some(8), 0.4).unwrap();
+        assert!(plan.needs_checkpointing);
+        assert!(
+            plan.data_parallel
+                .unwrap()
+                .contains("only with the recomputation")
+        );
     }
 
     #[test]

@@ -636,8 +636,10 @@ fn data_parallel_training_is_refused_where_it_cannot_run() {
         err.contains("collective") && err.contains("`cuda:N`") && err.contains("not on `flex`"),
         "{err}"
     );
-    let err = train("cuda:0,cuda:0");
-    assert!(err.contains("`cuda:0` is listed twice"), "{err}");
+    for twice in ["cuda:0,cuda:0", "cuda:1, cuda:01"] {
+        let err = train(twice);
+        assert!(err.contains("names a GPU listed before it"), "{err}");
+    }
     // `micro` steps are 2 micro-batches: three GPUs cannot share them evenly.
     let err = train("cuda:0,cuda:1,cuda:2");
     assert!(
@@ -919,22 +921,23 @@ fn micro_trains_alike_on_every_backend() {
 }
 
 /// Data-parallel training over the GPUs in `DIFFZOO_DDP_DEVICES` (e.g. `cuda:0,cuda:1`) sees the
-/// samples one GPU sees, in shares, and averages their gradients: its losses are the first GPU's.
+/// samples one GPU sees, in shares, and averages their gradients: its losses are the first GPU's,
+/// and a run resumes on another number of GPUs.
 #[test]
 #[ignore = "needs several GPUs: DIFFZOO_DDP_DEVICES=cuda:0,cuda:1 (run by .ci/gpu-check)"]
 fn data_parallel_training_tracks_one_device() {
     let devices = std::env::var("DIFFZOO_DDP_DEVICES").expect("DIFFZOO_DDP_DEVICES");
     let first = devices.split(',').next().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let train = |flag: &str, value: &str| {
-        let out = dir.path().join(flag);
-        ok(&[
+    let train = |out: &Path, flag: &str, value: &str, resume: bool| {
+        let mut args = vec![
             "train",
             "--recipe",
             "micro",
             "--no-dashboard",
+            // Epochs of 2, 2 and 1 steps.
             "--set",
-            "training.steps=4",
+            "training.steps=5",
             "--set",
             "checkpoint.interval=2",
             // 8 micro-batches of one sequence: 1, 2, 4 or 8 GPUs share them evenly.
@@ -943,29 +946,47 @@ fn data_parallel_training_tracks_one_device() {
             flag,
             value,
             "--out",
-            path(&out),
-        ]);
-        ["train", "validation"].map(|split| {
-            records(&out, split)
+            path(out),
+        ];
+        if resume {
+            args.push("--resume");
+        }
+        ok(&args);
+        let losses = |split| -> Vec<(u64, f64)> {
+            records(out, split)
                 .iter()
                 .map(|r| (r["step"].as_u64().unwrap(), r["loss"].as_f64().unwrap()))
-                .collect::<Vec<_>>()
-        })
+                .collect()
+        };
+        [losses("train"), losses("validation")].concat()
     };
-    let [train_one, valid_one] = train("--device", first);
-    let [train_all, valid_all] = train("--devices", &devices);
-    assert_eq!((train_all.len(), valid_all.len()), (4, 2));
-    for ((s, a), (t, b)) in train_all
-        .iter()
-        .chain(&valid_all)
-        .zip(train_one.iter().chain(&valid_one))
-    {
-        assert_eq!(s, t);
-        assert!(
-            (a - b).abs() <= 1e-3 * b.abs(),
-            "step {s}: {devices} {a} vs {first} {b}"
-        );
+    let close = |a: &[(u64, f64)], b: &[(u64, f64)], what: &str| {
+        assert_eq!(a.len(), b.len(), "{what}");
+        for ((s, x), (t, y)) in a.iter().zip(b) {
+            assert_eq!(s, t);
+            assert!(
+                (x - y).abs() <= 1e-3 * y.abs(),
+                "{what}, step {s}: {x} vs {y}"
+            );
+        }
+    };
+    let one = train(&dir.path().join("one"), "--device", first, false);
+    let all_dir = dir.path().join("all");
+    let all = train(&all_dir, "--devices", &devices, false);
+    assert_eq!(all.len(), 5 + 3);
+    close(&all, &one, &format!("{devices} against {first}"));
+    // Killed after its second checkpoint (step 4), resumed on one GPU.
+    for file in [
+        "model.bpk",
+        "model.safetensors",
+        "checkpoint/model-3.bpk",
+        "checkpoint/optim-3.bpk",
+        "checkpoint/scheduler-3.bpk",
+    ] {
+        std::fs::remove_file(all_dir.join(file)).unwrap();
     }
+    let resumed = train(&all_dir, "--device", first, true);
+    close(&resumed, &one, &format!("{devices} resumed on {first}"));
 }
 
 #[test]

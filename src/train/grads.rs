@@ -54,11 +54,16 @@ pub fn global_norm<M: Module>(model: &M, grads: &mut GradientsParams) -> f64 {
 /// (`coef = max_norm / (norm + 1e-6)`, applied when below 1). Returns the norm before clipping.
 pub fn clip_global_norm<M: Module>(model: &M, grads: &mut GradientsParams, max_norm: f64) -> f64 {
     let norm = global_norm(model, grads);
+    clip_to(model, grads, max_norm, norm);
+    norm
+}
+
+/// Scales gradients whose global norm is `norm` so that it is at most `max_norm`.
+pub fn clip_to<M: Module>(model: &M, grads: &mut GradientsParams, max_norm: f64, norm: f64) {
     let coef = max_norm / (norm + 1e-6);
     if max_norm > 0.0 && coef < 1.0 {
         scale(model, grads, coef);
     }
-    norm
 }
 
 #[cfg(test)]

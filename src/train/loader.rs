@@ -319,26 +319,33 @@ mod tests {
     #[test]
     fn data_parallel_shares_make_up_each_step_and_each_rank_counts_its_epochs() {
         let dir = tempfile::tempdir().unwrap();
+        let windows = windows(dir.path());
         let device = Device::flex();
-        // 8 sequences of 2-sequence micro-batches per step; epochs of 3 steps, 5 steps in all.
-        let single = StepLoader::training(windows(dir.path()), 3, 8, 2, 3, 5, 1, device.clone());
-        let parallel = single.clone().data_parallel(2);
-        assert_eq!(parallel.num_items(), 2 * 3);
-        let ranks = split_dataloader(Arc::new(parallel), &[device.clone(), device]);
-        for steps in [3, 2] {
-            let whole = epoch(&single);
-            let shares: Vec<_> = ranks.iter().map(|rank| epoch(rank.as_ref())).collect();
-            assert_eq!(whole.len(), steps);
-            for (k, (step, micro)) in whole.iter().enumerate() {
-                let (step0, micro0) = &shares[0][k];
-                let (step1, micro1) = &shares[1][k];
-                assert_eq!((step0, step1), (step, step));
-                assert_eq!((micro0.len(), micro1.len()), (2, 2));
-                let joined: Vec<_> = micro0.iter().chain(micro1).cloned().collect();
-                assert_eq!(
-                    &joined, micro,
-                    "step {step}: rank 0's samples, then rank 1's"
-                );
+        // 8 sequences in 4 micro-batches of 2 per step; epochs of 3 steps, 5 steps in all: a
+        // fresh run (epochs of 3 and 2 steps) on 2 devices, a run resumed at epoch 2 on 4.
+        for (ranks, first_epoch, epochs) in [(2, 1, vec![3, 2]), (4, 2, vec![2])] {
+            let single =
+                StepLoader::training(windows.clone(), 3, 8, 2, 3, 5, first_epoch, device.clone());
+            let parallel = single.clone().data_parallel(ranks);
+            assert_eq!(parallel.num_items(), ranks * epochs[0]);
+            let shares = split_dataloader(Arc::new(parallel), &vec![device.clone(); ranks]);
+            for steps in epochs {
+                let whole = epoch(&single);
+                let shares: Vec<_> = shares.iter().map(|rank| epoch(rank.as_ref())).collect();
+                assert_eq!(whole.len(), steps);
+                for (k, (step, micro)) in whole.iter().enumerate() {
+                    let mut joined = Vec::new();
+                    for share in &shares {
+                        let (share_step, share_micro) = &share[k];
+                        assert_eq!(share_step, step);
+                        assert_eq!(share_micro.len(), 4 / ranks);
+                        joined.extend(share_micro.iter().cloned());
+                    }
+                    assert_eq!(
+                        &joined, micro,
+                        "step {step}: the ranks' samples in rank order"
+                    );
+                }
             }
         }
     }

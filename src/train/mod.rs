@@ -29,6 +29,7 @@ use burn::tensor::distributed::{DistributedConfig, ReduceOperation};
 use burn::tensor::{Device, DeviceConfig, FloatDType};
 use burn::train::checkpoint::KeepLastNCheckpoints;
 use burn::train::metric::LearningRateMetric;
+use burn::train::renderer::default_renderer;
 use burn::train::{ExecutionStrategy, Interrupter, Learner, SupervisedTraining};
 use checkpoint::AtomicCheckpointer;
 use diffzoo_datasets::needle::NeedleMix;
@@ -197,7 +198,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let resolved = recipe::resolve(&args.recipe, &args.overrides)?;
     let recipe = &resolved.recipe;
     let specs = match (&args.device, args.devices.is_empty()) {
-        (_, false) => args.devices.clone(),
+        (_, false) => args.devices.iter().map(|d| d.trim().to_string()).collect(),
         (Some(spec), true) => vec![spec.clone()],
         (None, true) => vec![recipe.training.device.clone()],
     };
@@ -359,9 +360,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             training = training.metric_train_numeric(StatMetric::lambda(layer));
         }
     }
-    if !dashboard {
-        training = training.renderer(Box::new(quiet::QuietRenderer));
-    }
+    // The dashboard's quit goes through the context, which stops every device at one step.
+    training = training.renderer(if dashboard {
+        default_renderer(context.requests(), (resume_from > 0).then_some(resume_from))
+    } else {
+        Box::new(quiet::QuietRenderer)
+    });
     if resume_from > 0 {
         training = training.checkpoint(resume_from);
     }

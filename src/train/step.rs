@@ -54,6 +54,7 @@ pub struct StepContext {
     pub interrupter: Interrupter,
     print_every: Option<usize>,
     valid_batches: usize,
+    requests: Interrupter,
     /// Devices training data-parallel, each reporting its share of every step.
     rank_count: usize,
     ranks: Barrier,
@@ -99,6 +100,7 @@ impl StepContext {
             grad_clip,
             batch_tokens,
             total_steps,
+            requests: interrupter.clone(),
             interrupter,
             print_every,
             valid_batches,
@@ -117,11 +119,31 @@ impl StepContext {
         }
     }
 
-    /// Steps are shared by `ranks` devices (data parallelism), each reporting its share.
+    /// Steps are shared by `ranks` devices (data parallelism), each reporting its share. Stops
+    /// asked for from outside a step ([`StepContext::requests`]) then take effect at the next
+    /// step, on every rank at once.
     pub fn data_parallel(mut self, ranks: usize) -> Self {
         self.rank_count = ranks;
         self.ranks = Barrier::new(ranks);
+        if ranks > 1 {
+            self.requests = Interrupter::new();
+        }
         self
+    }
+
+    /// Where the dashboard and validation ask training to stop. On one device this is the
+    /// learner's interrupter. Under data parallelism Burn's workers each check that interrupter
+    /// between steps, and a worker that stops while the others go on would leave them waiting
+    /// in the gradient all-reduce forever: the request is passed on by the step leader instead.
+    pub fn requests(&self) -> Interrupter {
+        self.requests.clone()
+    }
+
+    /// Waits for every rank to finish a backward pass. Burn 0.22.1's gradient sync server
+    /// counts registrations per round and starts a new round only once every device's sync has
+    /// been handled: a fast rank's next registration must not arrive before that.
+    fn backward_done(&self) {
+        self.ranks.wait();
     }
 
     /// Why training stopped early, if it did.
@@ -131,8 +153,9 @@ impl StepContext {
 
     /// Records step `step` once every rank has reported its share: the loss is the mean of the
     /// ranks' losses (each the mean of as many micro-batches), tokens their sum; the gradient
-    /// norm and λ, the same on every rank after the all-reduce, are this rank's. Every rank gets
-    /// the step's statistics back, and a stop decided here is seen by all of them.
+    /// norm and λ (equal on every rank up to rounding, after the all-reduce) are the leader's.
+    /// Every rank gets the step's statistics back, and a stop decided here — or passed on from
+    /// [`StepContext::requests`] — is seen by all of them before any checks it.
     fn train_step(&self, step: usize, local: &StepStats, started: Instant) -> StepStats {
         {
             let mut state = self.state.lock().expect("context lock");
@@ -140,6 +163,10 @@ impl StepContext {
             state.gathering.1 += local.tokens;
         }
         if self.ranks.wait().is_leader() {
+            if self.requests.should_stop() && !self.interrupter.should_stop() {
+                self.interrupter
+                    .stop(self.requests.get_message().as_deref());
+            }
             let mut state = self.state.lock().expect("context lock");
             let (loss, tokens) = std::mem::take(&mut state.gathering);
             let stats = StepStats {
@@ -253,7 +280,7 @@ impl StepContext {
             elapsed_sec: state.started.elapsed().as_secs_f64(),
         };
         if let Err(e) = state.log.write(&record) {
-            self.interrupter
+            self.requests
                 .stop(Some(&format!("cannot write the metrics log: {e}")));
         }
         if self.print_every.is_some() {
@@ -289,19 +316,20 @@ impl TrainStep for Trainee {
         let context = self.context();
         let mut accumulator = GradientsAccumulator::new();
         let (loss, tokens) = over_batches(&self.model, &item.micro, |loss| {
+            let backward = loss.backward();
+            context.backward_done();
             accumulator.accumulate(
                 &self.model,
-                GradientsParams::from_grads(loss.backward(), &self.model),
+                GradientsParams::from_grads(backward, &self.model),
             );
         });
         let mut grads = accumulator.grads();
         // Burn's accumulation sums; PyTorch users expect the mean over micro-batches.
         grads::scale(&self.model, &mut grads, 1.0 / item.micro.len() as f64);
-        let grad_norm = grads::clip_global_norm(&self.model, &mut grads, context.grad_clip);
         let stats = StepStats {
             loss,
             tokens,
-            grad_norm: Some(grad_norm),
+            grad_norm: Some(grads::global_norm(&self.model, &mut grads)),
             tokens_per_sec: None,
             lambdas: self.model.lambdas(),
         };
@@ -309,6 +337,13 @@ impl TrainStep for Trainee {
         if context.interrupter.should_stop() {
             // Never apply a non-finite update.
             grads = GradientsParams::new();
+        } else {
+            // Every replica clips by the one recorded norm: their updates cannot drift apart
+            // through last-bit differences of their own reductions.
+            let norm = stats
+                .grad_norm
+                .expect("a training step has a gradient norm");
+            grads::clip_to(&self.model, &mut grads, context.grad_clip, norm);
         }
         TrainOutput { grads, item: stats }
     }
@@ -398,6 +433,24 @@ mod tests {
             assert_eq!(record["step"], step + 1);
             assert_eq!(record["loss"], 2.0 + step as f64);
         }
+    }
+
+    #[test]
+    fn a_stop_asked_between_steps_reaches_every_rank_at_the_next_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let one = context(dir.path(), 1);
+        one.requests().stop(Some("quit"));
+        assert!(one.interrupter.should_stop(), "one device: at once");
+
+        let context = context(dir.path(), 2);
+        context.requests().stop(Some("quit"));
+        assert!(
+            !context.interrupter.should_stop(),
+            "Burn's workers must not see it before the step leader passes it on"
+        );
+        report(&context, 0, &[1.0, 1.0]);
+        assert!(context.interrupter.should_stop());
+        assert_eq!(context.interrupter.get_message().as_deref(), Some("quit"));
     }
 
     #[test]
