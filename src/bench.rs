@@ -12,8 +12,9 @@
 //! step where the backend reports one (CubeCL backends), otherwise on CPU devices the growth of
 //! the process's peak resident set (Linux `VmHWM`, reset through `/proc/self/clear_refs`) over its
 //! size before the model was built, and no figure for LibTorch on CUDA. Children run with
-//! `RAYON_NUM_THREADS` and `OMP_NUM_THREADS` (LibTorch's) set to the thread count PyTorch gets. `bench/torch_reference.py` measures PyTorch the same way; `--torch` runs it with the
-//! same shapes and thread count and prints diffzoo / PyTorch ratios.
+//! `RAYON_NUM_THREADS` and `OMP_NUM_THREADS` (LibTorch's) set to the thread count PyTorch gets.
+//! `bench/torch_reference.py` measures PyTorch the same way; `--torch` runs it with the same
+//! shapes and thread count and prints diffzoo / PyTorch ratios.
 
 use crate::device;
 use crate::plan::Gpu;
@@ -329,7 +330,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     // PyTorch first: a missing or broken Python fails before minutes of measuring.
     let mut torch = Vec::new();
     if args.torch {
-        let default_ffn = 8 * shape.d_model / 3;
+        let default_ffn = ModelConfig::default_ffn_hidden(shape.d_model);
         if shape.tie_embeddings || shape.ffn_dim.is_some_and(|f| f != default_ffn) {
             bail!(
                 "--torch: the PyTorch reference has an untied LM head and the default FFN size \

@@ -112,7 +112,13 @@ impl ModelConfig {
 
     /// SwiGLU hidden size.
     pub fn ffn_hidden(&self) -> usize {
-        self.ffn_dim.unwrap_or(8 * self.d_model / 3)
+        self.ffn_dim
+            .unwrap_or_else(|| Self::default_ffn_hidden(self.d_model))
+    }
+
+    /// The SwiGLU hidden size when `ffn_dim` is not given: `floor(8·d_model/3)`.
+    pub fn default_ffn_hidden(d_model: usize) -> usize {
+        8 * d_model / 3
     }
 
     /// The initializer of every linear layer.
