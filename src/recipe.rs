@@ -49,6 +49,9 @@ pub struct ModelSection {
     pub ffn_dim: Option<usize>,
     #[serde(default)]
     pub tie_embeddings: bool,
+    /// RMSNorm epsilon (blocks, final norm and DIFF's subln).
+    #[serde(default = "default_norm_eps")]
+    pub norm_eps: f64,
     /// Standard deviation of the embedding initialisation.
     #[serde(default = "default_embedding_std")]
     pub embedding_std: f64,
@@ -58,6 +61,32 @@ pub struct ModelSection {
 
 fn default_rope_theta() -> f32 {
     10_000.0
+}
+
+impl ModelSection {
+    /// The model this section describes; `seq_len` stands in for an unset `max_seq_len`.
+    pub fn config(&self, seq_len: usize) -> ModelConfig {
+        let m = self;
+        ModelConfig::new(
+            m.attention,
+            m.d_model,
+            m.layers,
+            m.heads,
+            m.vocab_size,
+            m.max_seq_len.unwrap_or(seq_len),
+        )
+        .with_kv_heads(m.kv_heads)
+        .with_rope_theta(m.rope_theta)
+        .with_ffn_dim(m.ffn_dim)
+        .with_tie_embeddings(m.tie_embeddings)
+        .with_norm_eps(m.norm_eps)
+        .with_embedding_std(m.embedding_std)
+        .with_linear_std(m.linear_std)
+    }
+}
+
+fn default_norm_eps() -> f64 {
+    1e-5
 }
 
 fn default_embedding_std() -> f64 {
@@ -238,21 +267,7 @@ impl Recipe {
     }
 
     pub fn model_config(&self) -> ModelConfig {
-        let m = &self.model;
-        ModelConfig::new(
-            m.attention,
-            m.d_model,
-            m.layers,
-            m.heads,
-            m.vocab_size,
-            m.max_seq_len.unwrap_or(self.data.seq_len),
-        )
-        .with_kv_heads(m.kv_heads)
-        .with_rope_theta(m.rope_theta)
-        .with_ffn_dim(m.ffn_dim)
-        .with_tie_embeddings(m.tie_embeddings)
-        .with_embedding_std(m.embedding_std)
-        .with_linear_std(m.linear_std)
+        self.model.config(self.data.seq_len)
     }
 
     /// Consistency checks; each error names the keys involved.
