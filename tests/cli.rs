@@ -1,37 +1,13 @@
 //! End-to-end tests of the `diffzoo` binary on the `micro` recipes: training, checkpoints,
 //! exact resume, generation, evaluation, data preparation and every recipe validation error.
 
+mod common;
+
 use diffzoo_models::{AttentionKind, ModelConfig};
 use serde_json::Value;
+
+use common::{fails, ok, path};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-/// Runs the binary with a shared cache (tokenizers and shards are made once per test run).
-fn diffzoo(args: &[&str]) -> Output {
-    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("diffzoo-cache");
-    Command::new(env!("CARGO_BIN_EXE_diffzoo"))
-        .args(args)
-        .env("DIFFZOO_CACHE", cache)
-        .output()
-        .expect("the binary runs")
-}
-
-fn ok(args: &[&str]) -> String {
-    let out = diffzoo(args);
-    assert!(
-        out.status.success(),
-        "diffzoo {args:?} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8 output")
-}
-
-fn fails(args: &[&str]) -> String {
-    let out = diffzoo(args);
-    assert!(!out.status.success(), "diffzoo {args:?} should fail");
-    String::from_utf8(out.stderr).expect("utf-8 output")
-}
 
 fn records(run: &Path, split: &str) -> Vec<Value> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
@@ -40,10 +16,6 @@ fn records(run: &Path, split: &str) -> Vec<Value> {
         .map(|l| serde_json::from_str::<Value>(l).expect("a JSON line"))
         .filter(|r| r["split"] == split)
         .collect()
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
 }
 
 #[test]
@@ -856,14 +828,11 @@ fn every_analysis_runs_on_micro_runs_and_compare_writes_a_report() {
 
 #[test]
 fn micro_trains_alike_on_every_backend() {
-    let others: &[&str] = &[
-        #[cfg(feature = "ndarray")]
-        "ndarray",
-        #[cfg(feature = "wgpu")]
-        "wgpu",
-        #[cfg(feature = "tch")]
-        "tch",
-    ];
+    let others: Vec<&str> = common::BACKENDS
+        .iter()
+        .copied()
+        .filter(|b| *b != "flex")
+        .collect();
     let dir = tempfile::tempdir().unwrap();
     // Backends draw different random initialisations: every run starts from one set of weights.
     let init = dir.path().join("init");
