@@ -8,6 +8,7 @@
 //!   metrics.jsonl      one JSON object per training step and per validation
 //!   checkpoint/        {model,optim,scheduler}-E.bpk every checkpoint interval E, the last K kept
 //!   model.bpk          the final model (Burn's format) and model.safetensors (same weights)
+//!   import.json        where an imported run's weights came from (`diffzoo import hf`)
 //! ```
 
 use crate::recipe::{self, Recipe};
@@ -86,7 +87,14 @@ pub fn run_recipe(run: &Path) -> Result<Recipe> {
 
 /// The run's tokenizer.
 pub fn run_tokenizer(run: &Path) -> Result<TextTokenizer> {
-    Ok(TextTokenizer::from_file(&run.join(TOKENIZER))?)
+    let path = run.join(TOKENIZER);
+    if !path.exists() {
+        bail!(
+            "{}: no {TOKENIZER} (a checkpoint imported without one): only `eval ppl --tokens` and `export hf` work on this run",
+            run.display()
+        );
+    }
+    Ok(TextTokenizer::from_file(&path)?)
 }
 
 /// Which weights `load_weights` found.

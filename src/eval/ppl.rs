@@ -1,21 +1,31 @@
-//! `diffzoo eval ppl`: validation loss and perplexity of a run's model.
+//! `diffzoo eval ppl`: validation loss and perplexity of a run's model, or with `--tokens` the
+//! NLL of every token of given token-id sequences (how parity with another framework is checked
+//! without any tokenizer).
 
 use super::{Common, Loaded, emit};
-use anyhow::Result;
+use crate::{device, run};
+use anyhow::{Context, Result, anyhow, bail};
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{DType, Int, Tensor, TensorData};
 use diffzoo_datasets::Shards;
-use serde::Serialize;
-use std::path::PathBuf;
+use diffzoo_models::Model;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct PplArgs {
     #[command(flatten)]
     pub common: Common,
     /// A shard directory (default: the run's own data).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "tokens")]
     pub data: Option<PathBuf>,
     /// Evaluate at most this many micro-batches (default: the whole validation split).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "tokens")]
     pub max_batches: Option<usize>,
+    /// Score these token ids instead: a JSON file `{"input_ids": [[...], ...]}` of sequences of
+    /// 2 to max_seq_len ids each. Prints each sequence's mean NLL; with --json every token's.
+    #[arg(long)]
+    pub tokens: Option<PathBuf>,
 }
 
 #[derive(Debug, Serialize)]
@@ -54,6 +64,9 @@ pub fn measure(
 }
 
 pub fn run(args: &PplArgs) -> Result<()> {
+    if let Some(tokens) = &args.tokens {
+        return score_tokens(&args.common, tokens);
+    }
     let loaded = Loaded::open(&args.common.run, &args.common.device)?;
     let result = measure(&loaded, args.data.as_ref(), args.max_batches)?;
     emit(args.common.json, &result, |r| {
@@ -62,4 +75,109 @@ pub fn run(args: &PplArgs) -> Result<()> {
             r.weights, r.loss, r.perplexity, r.tokens, r.windows, r.data
         )
     })
+}
+
+/// The `--tokens` file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenFile {
+    input_ids: Vec<Vec<u32>>,
+}
+
+/// Per-token NLL of given sequences.
+#[derive(Debug, Serialize)]
+pub struct TokenNll {
+    pub weights: String,
+    /// `nll[b][t]` = −log p(token t+1 | tokens ≤ t) of sequence b.
+    pub nll: Vec<Vec<f64>>,
+    /// The mean over every scored token.
+    pub mean_nll: f64,
+}
+
+fn score_tokens(common: &Common, path: &Path) -> Result<()> {
+    let recipe = run::run_recipe(&common.run)?;
+    let config = recipe.model_config();
+    let sequences = read_tokens(path, config.vocab_size, config.max_seq_len)?;
+    let device = device::parse(&common.device)?;
+    let (model, weights) = run::load_model(&common.run, &recipe, &device)?;
+    let nll: Vec<Vec<f64>> = sequences
+        .iter()
+        .map(|ids| token_nll(&model, ids, &device))
+        .collect();
+    let count: usize = nll.iter().map(Vec::len).sum();
+    let result = TokenNll {
+        weights: weights.to_string(),
+        mean_nll: nll.iter().flatten().sum::<f64>() / count as f64,
+        nll,
+    };
+    emit(common.json, &result, |r| {
+        for (b, seq) in r.nll.iter().enumerate() {
+            let mean = seq.iter().sum::<f64>() / seq.len() as f64;
+            println!("sequence {b}: mean NLL {mean:.6} over {} tokens", seq.len());
+        }
+        println!(
+            "{}: mean NLL {:.6} over {count} tokens of {} sequences",
+            r.weights,
+            r.mean_nll,
+            r.nll.len()
+        );
+    })
+}
+
+/// Reads and checks a `--tokens` file; errors name the file and the offending sequence.
+fn read_tokens(path: &Path, vocab: usize, context: usize) -> Result<Vec<Vec<u32>>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let file: TokenFile = serde_path_to_error::deserialize(
+        &mut serde_json::Deserializer::from_str(&text),
+    )
+    .map_err(|e| {
+        anyhow!(
+            "{}: {e} (expected {{\"input_ids\": [[ids], ...]}})",
+            path.display()
+        )
+    })?;
+    if file.input_ids.is_empty() {
+        bail!("{}: `input_ids` holds no sequence", path.display());
+    }
+    for (b, ids) in file.input_ids.iter().enumerate() {
+        if ids.len() < 2 || ids.len() > context {
+            bail!(
+                "{}: sequence {b} has {} ids: 2 to the model's max_seq_len = {context} can be scored",
+                path.display(),
+                ids.len()
+            );
+        }
+        if let Some((t, id)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, id)| **id as usize >= vocab)
+        {
+            bail!(
+                "{}: sequence {b}, position {t}: id {id} is outside the vocabulary of {vocab}",
+                path.display()
+            );
+        }
+    }
+    Ok(file.input_ids)
+}
+
+/// −log p(ids[t+1] | ids[≤t]) for every t, computed in f32.
+fn token_nll(model: &Model, ids: &[u32], device: &burn::tensor::Device) -> Vec<f64> {
+    let s = ids.len();
+    let inputs: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
+    let tokens = Tensor::<2, Int>::from_data(TensorData::new(inputs.clone(), [1, s]), device);
+    let logits = model.forward(tokens).cast(DType::F32).narrow(1, 0, s - 1);
+    let targets =
+        Tensor::<3, Int>::from_data(TensorData::new(inputs[1..].to_vec(), [1, s - 1, 1]), device);
+    log_softmax(logits, 2)
+        .gather(2, targets)
+        .neg()
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .expect("f32 values")
+        .into_iter()
+        .map(f64::from)
+        .collect()
 }
