@@ -6,6 +6,7 @@ mod data;
 mod device;
 mod eval;
 mod generate;
+mod hf;
 mod plan;
 mod plot;
 mod recipe;
@@ -62,6 +63,30 @@ enum Command {
         #[command(subcommand)]
         command: DataCommand,
     },
+    /// Bring a checkpoint from another framework into a run directory.
+    Import {
+        #[command(subcommand)]
+        command: ImportCommand,
+    },
+    /// Write a run's model in another framework's format.
+    Export {
+        #[command(subcommand)]
+        command: ExportCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum ImportCommand {
+    /// A Hugging Face transformers checkpoint (LlamaForCausalLM, DiffLlamaForCausalLM, or a
+    /// diffzoo DIFF V2 export).
+    Hf(hf::import::ImportArgs),
+}
+
+#[derive(Subcommand)]
+enum ExportCommand {
+    /// A directory transformers loads: LlamaForCausalLM, DiffLlamaForCausalLM, or DIFF V2 with
+    /// its own modeling file (trust_remote_code).
+    Hf(hf::export::ExportArgs),
 }
 
 #[derive(Subcommand)]
@@ -161,6 +186,12 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Bench(args) => bench::run(&args),
         Command::Data { command } => match command {
             DataCommand::Prepare(args) => data::prepare(&args),
+        },
+        Command::Import { command } => match command {
+            ImportCommand::Hf(args) => hf::import::run(&args),
+        },
+        Command::Export { command } => match command {
+            ExportCommand::Hf(args) => hf::export::run(&args),
         },
     }
 }

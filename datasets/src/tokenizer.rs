@@ -124,6 +124,13 @@ impl TextTokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The end-of-text token's text, e.g. `<|endoftext|>`.
+    pub fn eot_token(&self) -> String {
+        self.inner
+            .id_to_token(self.eot)
+            .expect("the end-of-text id was found by its token")
+    }
+
     pub fn eot_id(&self) -> u32 {
         self.eot
     }

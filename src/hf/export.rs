@@ -1,0 +1,302 @@
+//! `diffzoo export hf RUN --out DIR`: a run's model as a directory transformers loads with
+//! `AutoModelForCausalLM.from_pretrained(DIR)` (DIFF V2 with `trust_remote_code=True`): weights
+//! (sharded above `--max-shard-size`, with the index file), `config.json`,
+//! `generation_config.json`, and the run's tokenizer as `tokenizer.json` with
+//! `tokenizer_config.json`. Tensors are converted one at a time as they are written; the
+//! directory is written under a temporary name and renamed at the end.
+
+use super::{
+    Architecture, CONFIG, Dtype, Entry, FloatFormat, TOKENIZER, V2_MODULE, V2_SOURCE, WEIGHTS,
+    WEIGHTS_INDEX, config, entries,
+};
+use crate::{device, run};
+use anyhow::{Context, Result, anyhow, bail};
+use burn::store::burn_pack::{self, DType};
+use burn::store::{BurnToPyTorchAdapter, ModuleSnapshot};
+use diffzoo_models::{AttentionKind, ModelConfig};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ExportArgs {
+    /// Run directory (its final model, else its newest complete checkpoint).
+    pub run: std::path::PathBuf,
+    /// The directory to write (must not exist).
+    #[arg(long)]
+    pub out: std::path::PathBuf,
+    /// Float format of the written weights: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Largest weights file before sharding, as transformers counts it: bytes, or with a unit
+    /// (KB, MB, GB: powers of 1000; KiB, MiB, GiB: of 1024).
+    #[arg(long, default_value = "5GB")]
+    pub max_shard_size: String,
+}
+
+pub fn run(args: &ExportArgs) -> Result<()> {
+    let dtype = Dtype::parse(&args.dtype)?;
+    let limit = parse_size(&args.max_shard_size)?;
+    let staging = super::staging(&args.out)?;
+    let result = export(&args.run, &staging, dtype, limit);
+    if result.is_err() {
+        std::fs::remove_dir_all(&staging).ok();
+    }
+    let (architecture, weights, shards) = result?;
+    std::fs::rename(&staging, &args.out)
+        .with_context(|| format!("renaming {} to {}", staging.display(), args.out.display()))?;
+    println!(
+        "exported {weights} of {} as {} ({}, {shards} weights file{}) into {}",
+        args.run.display(),
+        architecture.class(),
+        dtype.torch_name(),
+        if shards == 1 { "" } else { "s" },
+        args.out.display()
+    );
+    if architecture == Architecture::DiffzooV2 {
+        println!(
+            "DIFF V2 has no class in transformers: load it with trust_remote_code=True ({V2_MODULE}.py)"
+        );
+    }
+    Ok(())
+}
+
+/// Writes the export into `staging`: the architecture, which weights, and how many files.
+fn export(
+    run_dir: &Path,
+    staging: &Path,
+    dtype: Dtype,
+    limit: u64,
+) -> Result<(Architecture, run::Weights, usize)> {
+    let recipe = run::run_recipe(run_dir)?;
+    let config = recipe.model_config();
+    let device = device::parse("cpu")?;
+    let (model, weights) = run::load_model(run_dir, &recipe, &device)?;
+    let architecture = Architecture::of(config.attention);
+    let ours: BTreeMap<String, burn_pack::Tensor> = model
+        .collect(None, Some(Box::new(BurnToPyTorchAdapter)), true)
+        .into_iter()
+        .map(|t| (t.name.clone(), t))
+        .collect();
+    let tensors: Vec<Entry> = entries(&config)
+        .into_iter()
+        .filter(|e| e.hf.is_some())
+        .collect();
+
+    std::fs::create_dir_all(staging).with_context(|| format!("creating {}", staging.display()))?;
+    let sizes: Vec<u64> = tensors
+        .iter()
+        .map(|e| (e.shape.iter().product::<usize>() * dtype.size()) as u64)
+        .collect();
+    let shards = shard(&sizes, limit);
+    let count = shards.len();
+    let mut weight_map = BTreeMap::new();
+    for (i, members) in shards.iter().enumerate() {
+        let file = if count == 1 {
+            WEIGHTS.to_string()
+        } else {
+            format!("model-{:05}-of-{count:05}.safetensors", i + 1)
+        };
+        let members: Vec<&Entry> = members.iter().map(|&m| &tensors[m]).collect();
+        write_safetensors(&staging.join(&file), &members, dtype, |entry| {
+            hf_values(entry, &ours, &config)
+        })?;
+        for entry in members {
+            weight_map.insert(entry.hf.clone().expect("exported"), file.clone());
+        }
+    }
+    if count > 1 {
+        let index = json!({
+            "metadata": {"total_size": sizes.iter().sum::<u64>()},
+            "weight_map": weight_map,
+        });
+        write_json(&staging.join(WEIGHTS_INDEX), &index)?;
+    }
+
+    let tokenizer_path = run_dir.join(run::TOKENIZER);
+    let tokenizer = if tokenizer_path.is_file() {
+        Some(run::run_tokenizer(run_dir)?)
+    } else {
+        None
+    };
+    let eos = tokenizer.as_ref().map(|t| t.eot_id());
+    write_json(
+        &staging.join(CONFIG),
+        &config::write(architecture, &config, dtype, eos),
+    )?;
+    let mut generation = json!({});
+    if let Some(eos) = eos {
+        generation = json!({"bos_token_id": eos, "eos_token_id": eos});
+    }
+    write_json(&staging.join("generation_config.json"), &generation)?;
+    if let Some(tokenizer) = &tokenizer {
+        write_file(&staging.join(TOKENIZER), tokenizer.json())?;
+        let eot = tokenizer.eot_token();
+        write_json(
+            &staging.join("tokenizer_config.json"),
+            &json!({
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": eot,
+                "eos_token": eot,
+                "model_max_length": config.max_seq_len,
+                "clean_up_tokenization_spaces": false,
+            }),
+        )?;
+    }
+    if architecture == Architecture::DiffzooV2 {
+        write_file(&staging.join(format!("{V2_MODULE}.py")), V2_SOURCE)?;
+    }
+    Ok((architecture, weights, count))
+}
+
+/// One transformers tensor computed from ours: DIFF V1's subln folded into o_proj's columns
+/// (`o_proj·diag(tile(subln))`, exact up to one rounding per weight), rows put in transformers'
+/// order.
+fn hf_values(
+    entry: &Entry,
+    ours: &BTreeMap<String, burn_pack::Tensor>,
+    config: &ModelConfig,
+) -> Result<Vec<f32>> {
+    let mut values = floats(ours, &entry.ours)?;
+    if config.attention == AttentionKind::Diff && entry.ours.ends_with("attn.o_proj.weight") {
+        let subln = floats(ours, &entry.ours.replace("o_proj.weight", "subln.weight"))?;
+        let cols = entry.shape[1];
+        for (i, w) in values.iter_mut().enumerate() {
+            *w *= subln[(i % cols) % subln.len()];
+        }
+    }
+    Ok(match &entry.rows {
+        Some(rows) => super::scatter_rows(&values, rows, entry.shape[1]),
+        None => values,
+    })
+}
+
+/// Our tensor `name` as f32 values.
+fn floats(ours: &BTreeMap<String, burn_pack::Tensor>, name: &str) -> Result<Vec<f32>> {
+    let tensor = ours
+        .get(name)
+        .ok_or_else(|| anyhow!("the model has no tensor `{name}`"))?;
+    let format = match tensor.dtype {
+        DType::F32 => FloatFormat::F32,
+        DType::BF16 => FloatFormat::Bf16,
+        DType::F16 => FloatFormat::F16,
+        other => bail!("tensor `{name}` is {other:?}: only f32, bf16 and f16 are exported"),
+    };
+    let bytes = tensor
+        .to_bytes()
+        .map_err(|e| anyhow!("reading tensor `{name}`: {e}"))?;
+    Ok(super::decode_floats(&bytes, format))
+}
+
+/// Groups tensors of `sizes` bytes, in order, into files of at most `limit` bytes (a larger
+/// tensor gets a file of its own), as transformers shards.
+fn shard(sizes: &[u64], limit: u64) -> Vec<Vec<usize>> {
+    let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
+    let mut used = 0;
+    for (i, &size) in sizes.iter().enumerate() {
+        if shards.last().is_some_and(|s| !s.is_empty()) && used + size > limit {
+            shards.push(Vec::new());
+            used = 0;
+        }
+        shards.last_mut().expect("one shard").push(i);
+        used += size;
+    }
+    shards
+}
+
+/// Writes a safetensors file holding `entries` in `dtype`, producing each tensor's values only
+/// when its turn comes (memory: one tensor).
+fn write_safetensors(
+    path: &Path,
+    entries: &[&Entry],
+    dtype: Dtype,
+    mut values: impl FnMut(&Entry) -> Result<Vec<f32>>,
+) -> Result<()> {
+    let name = match dtype {
+        Dtype::F32 => "F32",
+        Dtype::Bf16 => "BF16",
+    };
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), json!({"format": "pt"}));
+    let mut offset = 0usize;
+    for entry in entries {
+        let len = entry.shape.iter().product::<usize>() * dtype.size();
+        header.insert(
+            entry.hf.clone().expect("exported"),
+            json!({"dtype": name, "shape": entry.shape, "data_offsets": [offset, offset + len]}),
+        );
+        offset += len;
+    }
+    let mut header = serde_json::to_vec(&Value::Object(header))?;
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let file =
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let mut out = std::io::BufWriter::new(file);
+    let context = || format!("writing {}", path.display());
+    out.write_all(&(header.len() as u64).to_le_bytes())
+        .with_context(context)?;
+    out.write_all(&header).with_context(context)?;
+    for entry in entries {
+        let data = values(entry)?;
+        out.write_all(&dtype.bytes(&data)).with_context(context)?;
+    }
+    out.into_inner()
+        .map_err(|e| anyhow!("{}: {e}", path.display()))?
+        .sync_all()
+        .with_context(context)
+}
+
+fn write_json(path: &Path, value: &Value) -> Result<()> {
+    write_file(path, serde_json::to_string_pretty(value)? + "\n")
+}
+
+fn write_file(path: &Path, text: impl AsRef<[u8]>) -> Result<()> {
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+/// `5GB`, `500MB`, `100KiB` or plain bytes.
+fn parse_size(text: &str) -> Result<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let scale: u64 = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "KIB" => 1 << 10,
+        "MIB" => 1 << 20,
+        "GIB" => 1 << 30,
+        _ => bail!("--max-shard-size `{text}`: the unit must be B, KB, MB, GB, KiB, MiB or GiB"),
+    };
+    match number.parse::<u64>() {
+        Ok(n) if n > 0 => n
+            .checked_mul(scale)
+            .ok_or_else(|| anyhow!("--max-shard-size `{text}` is too large")),
+        _ => bail!("--max-shard-size `{text}` is not a positive size such as 5GB"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_as_transformers_writes_them() {
+        assert_eq!(parse_size("5GB").unwrap(), 5_000_000_000);
+        assert_eq!(parse_size("100KB").unwrap(), 100_000);
+        assert_eq!(parse_size("2MiB").unwrap(), 2 << 20);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        for bad in ["", "0GB", "5XB", "-1", "GB", "1.5GB"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn shards_fill_in_order_and_a_large_tensor_stands_alone() {
+        assert_eq!(shard(&[4, 4, 4], 8), vec![vec![0, 1], vec![2]]);
+        assert_eq!(shard(&[2, 20, 2, 2], 8), vec![vec![0], vec![1], vec![2, 3]]);
+        assert_eq!(shard(&[1, 1], 100), vec![vec![0, 1]]);
+    }
+}

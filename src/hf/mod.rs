@@ -1,0 +1,428 @@
+//! Hugging Face interop: `diffzoo import hf` reads a transformers checkpoint into a run
+//! directory, `diffzoo export hf` writes a run's model as one transformers loads.
+//!
+//! | diffzoo | transformers | tensor |
+//! |---|---|---|
+//! | `transformer` | `LlamaForCausalLM` | |
+//! | `diff` (V1) | `DiffLlamaForCausalLM` | |
+//! | `diff-v2` | `DiffzooV2ForCausalLM` (`auto_map`, our `modeling_diffzoo_v2.py`) | |
+//! | `embed.weight` | `model.embed_tokens.weight` | copied |
+//! | `blocks.i.attn_norm.weight` | `model.layers.i.input_layernorm.weight` | copied |
+//! | `blocks.i.attn.{q,k}_proj.weight` | `model.layers.i.self_attn.{q,k}_proj.weight` | rows permuted |
+//! | `blocks.i.attn.v_proj.weight` | `model.layers.i.self_attn.v_proj.weight` | rows permuted (V1) |
+//! | `blocks.i.attn.o_proj.weight` | `model.layers.i.self_attn.o_proj.weight` | V1: subln folded in |
+//! | `blocks.i.attn.lambda_{q1,k1,q2,k2}` | `model.layers.i.self_attn.lambda_{q1,k1,q2,k2}` | copied |
+//! | `blocks.i.attn.subln.weight` | — (DiffLlama's per-head RMSNorm has no weight) | import: ones |
+//! | `blocks.i.attn.lambda_proj.weight` | `model.layers.i.self_attn.lambda_proj.weight` (V2) | copied |
+//! | `blocks.i.ffn_norm.weight` | `model.layers.i.post_attention_layernorm.weight` | copied |
+//! | `blocks.i.ffn.{w_g,w1,w2}.weight` | `model.layers.i.mlp.{gate,up,down}_proj.weight` | copied |
+//! | `norm.weight`, `lm_head.weight` | `model.norm.weight`, `lm_head.weight` (absent when tied) | copied |
+//!
+//! Row permutations (every one a pure reordering, so conversions are exact):
+//! - RoPE: we rotate adjacent pairs (2i, 2i+1) of each head, transformers rotates halves
+//!   (i, i + d/2) (`rotate_half`): our row `2i + c` of a head is its row `i + c·d/2`.
+//! - DIFF V1 pairs query heads as (h, h + H/2) and splits V by kv-head halves; we hold each
+//!   head's two half-heads next to each other: our half-head `2h + c` of q, k and v is its head
+//!   `h + c·n/2` (n = H for q, H_kv for k and v).
+//! - DIFF V1's `(1 − λ_init)·subln(·)` is followed by o_proj, so exporting folds the subln weight
+//!   into o_proj's columns; importing sets subln to ones.
+
+pub mod config;
+pub mod export;
+pub mod import;
+
+use anyhow::{Context, Result, bail};
+use diffzoo_models::{AttentionKind, ModelConfig};
+use std::path::{Path, PathBuf};
+
+pub const CONFIG: &str = "config.json";
+pub const WEIGHTS: &str = "model.safetensors";
+pub const WEIGHTS_INDEX: &str = "model.safetensors.index.json";
+pub const TOKENIZER: &str = "tokenizer.json";
+/// The self-contained transformers implementation of DIFF V2 written beside its export.
+pub const V2_MODULE: &str = "modeling_diffzoo_v2";
+pub const V2_SOURCE: &str = include_str!("modeling_diffzoo_v2.py");
+
+/// A fresh, empty directory beside `out` to write into before renaming it to `out`, which must
+/// not exist. A staging directory left by an earlier failure is removed first.
+pub fn staging(out: &Path) -> Result<PathBuf> {
+    if out.exists() {
+        bail!("{} already exists: choose a new --out", out.display());
+    }
+    let name = out
+        .file_name()
+        .ok_or_else(|| anyhow::anyhow!("--out {} names no directory", out.display()))?;
+    let staging = out.with_file_name(format!(".{}.partial", name.to_string_lossy()));
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging)
+            .with_context(|| format!("removing {}", staging.display()))?;
+    }
+    if let Some(parent) = staging.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("creating {}", parent.display()))?;
+    }
+    Ok(staging)
+}
+
+/// The transformers class of each variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    DiffLlama,
+    DiffzooV2,
+}
+
+impl Architecture {
+    pub const ALL: [Architecture; 3] = [Self::Llama, Self::DiffLlama, Self::DiffzooV2];
+
+    pub fn of(kind: AttentionKind) -> Self {
+        match kind {
+            AttentionKind::Transformer => Self::Llama,
+            AttentionKind::Diff => Self::DiffLlama,
+            AttentionKind::DiffV2 => Self::DiffzooV2,
+        }
+    }
+
+    pub fn kind(self) -> AttentionKind {
+        match self {
+            Self::Llama => AttentionKind::Transformer,
+            Self::DiffLlama => AttentionKind::Diff,
+            Self::DiffzooV2 => AttentionKind::DiffV2,
+        }
+    }
+
+    /// The `architectures` entry of config.json.
+    pub fn class(self) -> &'static str {
+        match self {
+            Self::Llama => "LlamaForCausalLM",
+            Self::DiffLlama => "DiffLlamaForCausalLM",
+            Self::DiffzooV2 => "DiffzooV2ForCausalLM",
+        }
+    }
+
+    /// The `model_type` of config.json.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::DiffLlama => "diffllama",
+            Self::DiffzooV2 => "diffzoo_v2",
+        }
+    }
+
+    pub fn from_class(class: &str) -> Result<Self> {
+        match Self::ALL.into_iter().find(|a| a.class() == class) {
+            Some(a) => Ok(a),
+            None => bail!(
+                "architecture `{class}` is not supported: diffzoo imports {}",
+                Self::ALL.map(Self::class).join(", ")
+            ),
+        }
+    }
+}
+
+/// One tensor of the model under both names, in PyTorch layout (`[out, in]` for linear layers).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entry {
+    /// Our name (the models crate's module path).
+    pub ours: String,
+    /// The transformers name; `None` for DIFF V1's subln, which transformers does not have.
+    pub hf: Option<String>,
+    pub shape: Vec<usize>,
+    /// Our row `i` is transformers' row `rows[i]`; `None` when the rows are in the same order.
+    pub rows: Option<Vec<usize>>,
+}
+
+/// Every tensor of a model of `config`, in transformers' order.
+pub fn entries(config: &ModelConfig) -> Vec<Entry> {
+    let kind = config.attention;
+    let (d_model, d, vocab) = (config.d_model, config.head_dim(), config.vocab_size);
+    let (heads, kv_heads, ffn) = (config.heads, config.kv_heads(), config.ffn_hidden());
+    let q_heads = if kind == AttentionKind::DiffV2 {
+        2 * heads
+    } else {
+        heads
+    };
+    let paired = kind == AttentionKind::Diff;
+    let entry = |ours: String, hf: Option<String>, shape: Vec<usize>, rows| Entry {
+        ours,
+        hf,
+        shape,
+        rows,
+    };
+    let mut all = vec![entry(
+        "embed.weight".into(),
+        Some("model.embed_tokens.weight".into()),
+        vec![vocab, d_model],
+        None,
+    )];
+    for i in 0..config.layers {
+        let (ours, hf) = (format!("blocks.{i}."), format!("model.layers.{i}."));
+        let linear = |o: &str, h: &str, shape: &[usize], rows| {
+            entry(
+                format!("{ours}{o}.weight"),
+                Some(format!("{hf}{h}.weight")),
+                shape.to_vec(),
+                rows,
+            )
+        };
+        all.push(linear("attn_norm", "input_layernorm", &[d_model], None));
+        all.push(linear(
+            "attn.q_proj",
+            "self_attn.q_proj",
+            &[q_heads * d, d_model],
+            Some(head_rows(q_heads, d, paired, true)),
+        ));
+        all.push(linear(
+            "attn.k_proj",
+            "self_attn.k_proj",
+            &[kv_heads * d, d_model],
+            Some(head_rows(kv_heads, d, paired, true)),
+        ));
+        all.push(linear(
+            "attn.v_proj",
+            "self_attn.v_proj",
+            &[kv_heads * d, d_model],
+            paired.then(|| head_rows(kv_heads, d, true, false)),
+        ));
+        all.push(linear(
+            "attn.o_proj",
+            "self_attn.o_proj",
+            &[d_model, heads * d],
+            None,
+        ));
+        match kind {
+            AttentionKind::Transformer => {}
+            AttentionKind::Diff => {
+                for p in ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"] {
+                    all.push(entry(
+                        format!("{ours}attn.{p}"),
+                        Some(format!("{hf}self_attn.{p}")),
+                        vec![d],
+                        None,
+                    ));
+                }
+                all.push(entry(
+                    format!("{ours}attn.subln.weight"),
+                    None,
+                    vec![2 * d],
+                    None,
+                ));
+            }
+            AttentionKind::DiffV2 => all.push(linear(
+                "attn.lambda_proj",
+                "self_attn.lambda_proj",
+                &[heads, d_model],
+                None,
+            )),
+        }
+        all.push(linear(
+            "ffn_norm",
+            "post_attention_layernorm",
+            &[d_model],
+            None,
+        ));
+        all.push(linear("ffn.w_g", "mlp.gate_proj", &[ffn, d_model], None));
+        all.push(linear("ffn.w1", "mlp.up_proj", &[ffn, d_model], None));
+        all.push(linear("ffn.w2", "mlp.down_proj", &[d_model, ffn], None));
+    }
+    all.push(entry(
+        "norm.weight".into(),
+        Some("model.norm.weight".into()),
+        vec![d_model],
+        None,
+    ));
+    if !config.tie_embeddings {
+        all.push(entry(
+            "lm_head.weight".into(),
+            Some("lm_head.weight".into()),
+            vec![vocab, d_model],
+            None,
+        ));
+    }
+    all
+}
+
+/// The row order of a projection onto `heads` heads of `d` rows: our head `j` is transformers'
+/// head `j` (or with `paired`, `j = 2h + c` is its head `h + c·heads/2`), and with `rotary` our
+/// row `2i + c` within a head is its row `i + c·d/2`.
+pub fn head_rows(heads: usize, d: usize, paired: bool, rotary: bool) -> Vec<usize> {
+    (0..heads * d)
+        .map(|row| {
+            let (j, r) = (row / d, row % d);
+            let head = if paired {
+                j / 2 + (j % 2) * heads / 2
+            } else {
+                j
+            };
+            let within = if rotary { r / 2 + (r % 2) * d / 2 } else { r };
+            head * d + within
+        })
+        .collect()
+}
+
+/// Rows of a row-major `[rows.len(), cols]` matrix gathered: row `i` of the result is row
+/// `rows[i]` of `x` (import: transformers → ours).
+pub fn gather_rows(x: &[f32], rows: &[usize], cols: usize) -> Vec<f32> {
+    rows.iter()
+        .flat_map(|&r| &x[r * cols..(r + 1) * cols])
+        .copied()
+        .collect()
+}
+
+/// The inverse of [`gather_rows`]: row `i` of `x` goes to row `rows[i]` (export: ours →
+/// transformers).
+pub fn scatter_rows(x: &[f32], rows: &[usize], cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0; x.len()];
+    for (i, &r) in rows.iter().enumerate() {
+        out[r * cols..(r + 1) * cols].copy_from_slice(&x[i * cols..(i + 1) * cols]);
+    }
+    out
+}
+
+/// The float formats a checkpoint is written in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dtype {
+    F32,
+    Bf16,
+}
+
+impl Dtype {
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "f32" | "float32" => Ok(Self::F32),
+            "bf16" | "bfloat16" => Ok(Self::Bf16),
+            other => bail!("--dtype `{other}` is not supported: use f32 or bf16"),
+        }
+    }
+
+    /// transformers' name (`torch_dtype`).
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            Self::F32 => "float32",
+            Self::Bf16 => "bfloat16",
+        }
+    }
+
+    /// Bytes per value.
+    pub fn size(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 => 2,
+        }
+    }
+
+    /// Little-endian bytes of `x` in this format (bf16 rounds to nearest even).
+    pub fn bytes(self, x: &[f32]) -> Vec<u8> {
+        match self {
+            Self::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Self::Bf16 => x
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                .collect(),
+        }
+    }
+}
+
+/// Decodes little-endian floats of a format that converts to f32 exactly.
+pub fn decode_floats(bytes: &[u8], format: FloatFormat) -> Vec<f32> {
+    match format {
+        FloatFormat::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        FloatFormat::Bf16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        FloatFormat::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+    }
+}
+
+/// Stored float formats that convert to f32 exactly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatFormat {
+    F32,
+    Bf16,
+    F16,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rope_rows_pair_each_half_with_its_partner() {
+        // d = 4: our rows (0, 1) are transformers' (0, 2), ours (2, 3) its (1, 3).
+        assert_eq!(head_rows(1, 4, false, true), vec![0, 2, 1, 3]);
+        assert_eq!(head_rows(2, 4, false, true), vec![0, 2, 1, 3, 4, 6, 5, 7]);
+    }
+
+    #[test]
+    fn diff_half_heads_come_from_both_halves_of_the_heads() {
+        // 4 heads of 2 rows: our half-heads 0, 1, 2, 3 are its heads 0, 2, 1, 3.
+        assert_eq!(head_rows(4, 2, true, false), vec![0, 1, 4, 5, 2, 3, 6, 7]);
+    }
+
+    #[test]
+    fn every_row_order_is_a_permutation_and_scatter_inverts_gather() {
+        for (heads, d) in [(1, 2), (2, 4), (4, 8), (6, 4), (8, 16)] {
+            for paired in [false, true] {
+                if paired && heads % 2 == 1 {
+                    continue;
+                }
+                for rotary in [false, true] {
+                    let rows = head_rows(heads, d, paired, rotary);
+                    let mut sorted = rows.clone();
+                    sorted.sort_unstable();
+                    assert_eq!(sorted, (0..heads * d).collect::<Vec<_>>());
+                    let cols = 3;
+                    let x: Vec<f32> = (0..heads * d * cols).map(|v| v as f32).collect();
+                    let round = scatter_rows(&gather_rows(&x, &rows, cols), &rows, cols);
+                    assert_eq!(round, x);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn entries_cover_every_parameter_of_every_variant() {
+        use burn::store::{BurnToPyTorchAdapter, ModuleSnapshot};
+        let device = burn::tensor::Device::flex();
+        for kind in AttentionKind::ALL {
+            for tie in [false, true] {
+                let config = ModelConfig::new(kind, 32, 2, 4, 40, 16)
+                    .with_kv_heads(Some(2))
+                    .with_tie_embeddings(tie);
+                let model = config.init(&device);
+                let mut have: Vec<(String, Vec<usize>)> = model
+                    .collect(None, Some(Box::new(BurnToPyTorchAdapter)), true)
+                    .into_iter()
+                    .map(|t| (t.name.clone(), t.shape.to_vec()))
+                    .collect();
+                let mut want: Vec<(String, Vec<usize>)> = entries(&config)
+                    .into_iter()
+                    .map(|e| (e.ours, e.shape))
+                    .collect();
+                have.sort();
+                want.sort();
+                assert_eq!(have, want, "{kind}, tied {tie}");
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_rounds_to_nearest_even_and_decodes_back() {
+        let x = [1.0f32, -2.5, 1.0 + 1.0 / 256.0, 3.0e-5];
+        let bytes = Dtype::Bf16.bytes(&x);
+        let back = decode_floats(&bytes, FloatFormat::Bf16);
+        assert_eq!(back[..2], [1.0, -2.5]);
+        // 1 + 2⁻⁸ lies halfway between two bf16 values: rounds to the even one, 1.0.
+        assert_eq!(back[2], 1.0);
+        assert!((back[3] - 3.0e-5).abs() < 3.0e-5 / 128.0);
+        let f32s = decode_floats(&Dtype::F32.bytes(&x), FloatFormat::F32);
+        assert_eq!(f32s, x);
+    }
+}
