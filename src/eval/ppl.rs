@@ -162,7 +162,8 @@ fn read_tokens(path: &Path, vocab: usize, context: usize) -> Result<Vec<Vec<u32>
     Ok(file.input_ids)
 }
 
-/// −log p(ids[t+1] | ids[≤t]) for every t, computed in f32.
+/// −log p(ids[t+1] | ids[≤t]) for every t: the forward pass in the device's dtype, the
+/// log-softmax in f32.
 fn token_nll(model: &Model, ids: &[u32], device: &burn::tensor::Device) -> Vec<f64> {
     let s = ids.len();
     let inputs: Vec<i64> = ids.iter().map(|&i| i as i64).collect();

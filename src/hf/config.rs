@@ -9,34 +9,96 @@ use diffzoo_models::ModelConfig;
 use serde_json::{Map, Value, json};
 use std::path::Path;
 
-/// Keys that describe how the checkpoint was made or is used, not the function it computes.
-const METADATA: [&str; 16] = [
+/// Keys that describe how the checkpoint was made, trained or is sampled from, not the function
+/// its forward pass computes (transformers' modeling code for Llama and DiffLlama reads none of
+/// them; `pretraining_tp` only split transformers 4's matmuls into slices of the same product).
+const METADATA: &[&str] = &[
     "_name_or_path",
+    "_attn_implementation_autoset",
     "transformers_version",
+    "transformers.js_config",
     "torch_dtype",
     "dtype",
+    "use_bfloat16",
     "bos_token_id",
     "eos_token_id",
     "pad_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
     "use_cache",
     "initializer_range",
     "lambda_std_dev",
-    "auto_map",
+    "pretraining_tp",
+    "is_llama_config",
+    "max_sequence_length",
+    "tokenizer_class",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "finetuning_task",
+    "task_specific_params",
+    "prefix",
     "output_attentions",
     "output_hidden_states",
+    "output_scores",
     "return_dict",
+    "return_dict_in_generate",
+    "torchscript",
+    "tf_legacy_loss",
     "tie_encoder_decoder",
     "is_decoder",
+    "unsloth_version",
+    // Generation defaults (transformers 4 wrote them into config.json).
+    "max_length",
+    "min_length",
+    "do_sample",
+    "early_stopping",
+    "num_beams",
+    "num_beam_groups",
+    "num_return_sequences",
+    "diversity_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "repetition_penalty",
+    "length_penalty",
+    "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
+    "bad_words_ids",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
+    "suppress_tokens",
+    "begin_suppress_tokens",
 ];
 
 /// Keys that must hold the value diffzoo implements (or be null).
-const FIXED: [(&str, &str); 6] = [
+const FIXED: &[(&str, &str)] = &[
     ("hidden_act", "\"silu\""),
     ("attention_bias", "false"),
     ("mlp_bias", "false"),
     ("attention_dropout", "0.0"),
-    ("pretraining_tp", "1"),
     ("sliding_window", "null"),
+    ("rope_interleaved", "false"),
+    ("is_encoder_decoder", "false"),
+    ("add_cross_attention", "false"),
+    ("chunk_size_feed_forward", "0"),
+    ("pruned_heads", "{}"),
+];
+
+/// Largest values accepted, so that a mistaken or hostile config is refused before anything is
+/// allocated (RoPE is tabulated for the whole context: 2^20 positions of head dim 128 take 1 GiB).
+const LIMITS: &[(&str, usize)] = &[
+    ("hidden_size", 1 << 20),
+    ("intermediate_size", 1 << 22),
+    ("num_hidden_layers", 1 << 12),
+    ("num_attention_heads", 1 << 12),
+    ("num_key_value_heads", 1 << 12),
+    ("head_dim", 1 << 12),
+    ("vocab_size", 1 << 24),
+    ("max_position_embeddings", 1 << 20),
 ];
 
 /// What a transformers `config.json` describes.
@@ -77,13 +139,22 @@ fn parse(value: &Value) -> Result<HfConfig> {
             architecture.model_type()
         );
     }
-    for (key, want) in FIXED {
+    for &(key, want) in FIXED {
         if let Some(v) = map.get(key)
             && !v.is_null()
             && !same(v, want)
         {
             bail!("`{key}` = {v} is not supported: diffzoo implements only {key} = {want}");
         }
+    }
+    if let Some(auto_map) = map.get("auto_map")
+        && !(architecture == Architecture::DiffzooV2
+            && auto_map.to_string().contains(super::V2_MODULE))
+    {
+        bail!(
+            "`auto_map` = {auto_map} points transformers at custom code for {}: its computation is unknown to diffzoo, so it is refused",
+            architecture.class()
+        );
     }
     let d_model = count(map, "hidden_size")?;
     let heads = count(map, "num_attention_heads")?;
@@ -126,8 +197,9 @@ fn parse(value: &Value) -> Result<HfConfig> {
         embedding_std: 0.02,
         linear_std: None,
     };
-    const HONOURED: [&str; 14] = [
+    const HONOURED: &[&str] = &[
         "architectures",
+        "auto_map",
         "model_type",
         "hidden_size",
         "intermediate_size",
@@ -269,8 +341,15 @@ fn string<'a>(map: &'a Map<String, Value>, key: &str) -> Result<&'a str> {
 
 fn count(map: &Map<String, Value>, key: &str) -> Result<usize> {
     let v = map.get(key).ok_or_else(|| anyhow!("no `{key}` key"))?;
+    let limit = LIMITS
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map_or(usize::MAX, |(_, l)| *l);
     match v.as_u64() {
-        Some(n) if n > 0 => Ok(n as usize),
+        Some(n) if n > 0 && n as usize <= limit => Ok(n as usize),
+        Some(n) if n > 0 => {
+            bail!("`{key}` = {n} exceeds the largest value diffzoo accepts, {limit}")
+        }
         _ => bail!("`{key}` = {v} is not a positive integer"),
     }
 }
@@ -319,7 +398,7 @@ mod tests {
 
     #[test]
     fn what_cannot_be_honoured_is_refused_by_name() {
-        let cases: [(&str, Value, &str); 7] = [
+        let cases: [(&str, Value, &str); 11] = [
             (
                 "rope_parameters",
                 json!({"rope_type": "llama3", "factor": 8.0}),
@@ -339,6 +418,18 @@ mod tests {
                 json!(["Qwen2ForCausalLM"]),
                 "Qwen2ForCausalLM",
             ),
+            (
+                "auto_map",
+                json!({"AutoModelForCausalLM": "modeling_x.X"}),
+                "auto_map",
+            ),
+            ("rope_interleaved", json!(true), "rope_interleaved"),
+            (
+                "max_position_embeddings",
+                json!(1u64 << 40),
+                "max_position_embeddings",
+            ),
+            ("hidden_size", json!(1u64 << 40), "hidden_size"),
         ];
         for (key, value, named) in cases {
             let mut config = llama();
@@ -346,6 +437,27 @@ mod tests {
             let err = parse(&config).unwrap_err().to_string();
             assert!(err.contains(named), "{key}: {err}");
         }
+    }
+
+    #[test]
+    fn keys_hub_checkpoints_carry_that_change_nothing_are_accepted() {
+        let mut config = llama();
+        for (key, value) in [
+            ("is_llama_config", json!(true)),
+            ("rope_interleaved", json!(false)),
+            (
+                "transformers.js_config",
+                json!({"kv_cache_dtype": "float16"}),
+            ),
+            ("_attn_implementation_autoset", json!(true)),
+            ("pretraining_tp", json!(2)),
+            ("id2label", json!({"0": "LABEL_0"})),
+            ("max_sequence_length", json!(2048)),
+            ("rope_scaling", Value::Null),
+        ] {
+            config[key] = value;
+        }
+        assert_eq!(parse(&config).unwrap(), parse(&llama()).unwrap());
     }
 
     #[test]

@@ -29,9 +29,9 @@ pub struct ExportArgs {
     /// Float format of the written weights: f32 or bf16.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
-    /// Largest weights file before sharding, as transformers counts it: bytes, or with a unit
-    /// (KB, MB, GB: powers of 1000; KiB, MiB, GiB: of 1024).
-    #[arg(long, default_value = "5GB")]
+    /// Largest weights file before sharding, as transformers counts it (and its default):
+    /// bytes, or with a unit (KB, MB, GB: powers of 1000; KiB, MiB, GiB: of 1024).
+    #[arg(long, default_value = "50GB")]
     pub max_shard_size: String,
 }
 
@@ -167,7 +167,7 @@ fn hf_values(
         }
     }
     Ok(match &entry.rows {
-        Some(rows) => super::scatter_rows(&values, rows, entry.shape[1]),
+        Some(rows) => super::scatter_rows(&values, &rows.order(), entry.shape[1]),
         None => values,
     })
 }

@@ -37,6 +37,8 @@ pub struct ImportArgs {
 
 /// What `import.json` in the run records of the source.
 const NOTE: &str = "import.json";
+const HEAD: &str = "lm_head.weight";
+const EMBED: &str = "model.embed_tokens.weight";
 
 pub fn run(args: &ImportArgs) -> Result<()> {
     let dtype = Dtype::parse(&args.dtype)?;
@@ -203,11 +205,14 @@ struct Checkpoint {
 }
 
 impl Checkpoint {
-    /// Opens `model.safetensors`, or every shard `model.safetensors.index.json` names, checking
-    /// that each file is whole and holds the tensors the index says it does.
+    /// Opens `model.safetensors`, else every shard `model.safetensors.index.json` names,
+    /// checking that each file is whole and holds the tensors the index says it does.
     fn open(dir: &Path) -> Result<Self> {
         let index_path = dir.join(WEIGHTS_INDEX);
-        let shards: BTreeMap<String, Option<BTreeSet<String>>> = if index_path.is_file() {
+        // transformers reads model.safetensors when both are there: so do we.
+        let shards: BTreeMap<String, Option<BTreeSet<String>>> = if dir.join(WEIGHTS).is_file() {
+            BTreeMap::from([(WEIGHTS.to_string(), None)])
+        } else if index_path.is_file() {
             let text = std::fs::read_to_string(&index_path)
                 .with_context(|| format!("reading {}", index_path.display()))?;
             let value: serde_json::Value = serde_json::from_str(&text)
@@ -237,8 +242,6 @@ impl Checkpoint {
                     .insert(tensor.clone());
             }
             shards
-        } else if dir.join(WEIGHTS).is_file() {
-            BTreeMap::from([(WEIGHTS.to_string(), None)])
         } else {
             bail!(
                 "{}: neither {WEIGHTS} nor {WEIGHTS_INDEX} (diffzoo reads safetensors checkpoints only)",
@@ -321,7 +324,7 @@ impl Checkpoint {
             let format = self.check(hf, &entry.shape)?;
             unused.remove(hf.as_str());
             let this = Arc::clone(self);
-            let (hf, rows) = (hf.clone(), entry.rows.clone());
+            let (hf, rows) = (hf.clone(), entry.rows);
             let cols = if entry.shape.len() == 2 {
                 entry.shape[1]
             } else {
@@ -335,17 +338,28 @@ impl Checkpoint {
                 None,
                 len,
                 move || {
-                    let stored = &this.index[&hf];
-                    let bytes =
-                        &this.files[stored.file].map[stored.start..stored.start + stored.len];
-                    let values = super::decode_floats(bytes, format);
-                    let values = match &rows {
-                        Some(rows) => super::gather_rows(&values, rows, cols),
+                    let values = super::decode_floats(this.bytes(&this.index[&hf]), format);
+                    let values = match rows {
+                        Some(rows) => super::gather_rows(&values, &rows.order(), cols),
                         None => values,
                     };
                     Ok(Bytes::from_bytes_vec(dtype.bytes(&values)))
                 },
             ));
+        }
+        // A tied checkpoint may store the head anyway; transformers ties it to the embedding.
+        let tied = !entries.iter().any(|e| e.hf.as_deref() == Some(HEAD));
+        if tied && unused.remove(HEAD) {
+            let (head, embed) = (&self.index[HEAD], &self.index[EMBED]);
+            if head.shape != embed.shape
+                || head.format != embed.format
+                || self.bytes(head) != self.bytes(embed)
+            {
+                bail!(
+                    "{}: `{HEAD}` differs from `{EMBED}` but tie_word_embeddings = true: one of them would be dropped",
+                    self.files[head.file].path.display()
+                );
+            }
         }
         if !unused.is_empty() {
             bail!(
@@ -355,6 +369,11 @@ impl Checkpoint {
             );
         }
         Ok(tensors)
+    }
+
+    /// A stored tensor's bytes.
+    fn bytes(&self, stored: &Stored) -> &[u8] {
+        &self.files[stored.file].map[stored.start..stored.start + stored.len]
     }
 
     /// The float format of tensor `name`, checking that it is there with the model's shape.

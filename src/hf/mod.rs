@@ -43,8 +43,8 @@ pub const TOKENIZER: &str = "tokenizer.json";
 pub const V2_MODULE: &str = "modeling_diffzoo_v2";
 pub const V2_SOURCE: &str = include_str!("modeling_diffzoo_v2.py");
 
-/// A fresh, empty directory beside `out` to write into before renaming it to `out`, which must
-/// not exist. A staging directory left by an earlier failure is removed first.
+/// Where to write before renaming to `out` (which must not exist): a name beside `out`, cleared
+/// of what an earlier failure left. The caller creates it once its input has been checked.
 pub fn staging(out: &Path) -> Result<PathBuf> {
     if out.exists() {
         bail!("{} already exists: choose a new --out", out.display());
@@ -56,10 +56,6 @@ pub fn staging(out: &Path) -> Result<PathBuf> {
     if staging.exists() {
         std::fs::remove_dir_all(&staging)
             .with_context(|| format!("removing {}", staging.display()))?;
-    }
-    if let Some(parent) = staging.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent)
-            .with_context(|| format!("creating {}", parent.display()))?;
     }
     Ok(staging)
 }
@@ -128,8 +124,25 @@ pub struct Entry {
     /// The transformers name; `None` for DIFF V1's subln, which transformers does not have.
     pub hf: Option<String>,
     pub shape: Vec<usize>,
-    /// Our row `i` is transformers' row `rows[i]`; `None` when the rows are in the same order.
-    pub rows: Option<Vec<usize>>,
+    /// How our rows are ordered relative to transformers'; `None` when in the same order.
+    pub rows: Option<Rows>,
+}
+
+/// The row order of a projection onto `heads` heads of `d` rows (see [`head_rows`]), kept as a
+/// description so that nothing is allocated before a checkpoint's shapes are checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rows {
+    pub heads: usize,
+    pub d: usize,
+    pub paired: bool,
+    pub rotary: bool,
+}
+
+impl Rows {
+    /// Our row `i` is transformers' row `order()[i]`.
+    pub fn order(self) -> Vec<usize> {
+        head_rows(self.heads, self.d, self.paired, self.rotary)
+    }
 }
 
 /// Every tensor of a model of `config`, in transformers' order.
@@ -143,6 +156,12 @@ pub fn entries(config: &ModelConfig) -> Vec<Entry> {
         heads
     };
     let paired = kind == AttentionKind::Diff;
+    let rows = |heads, d, paired, rotary| Rows {
+        heads,
+        d,
+        paired,
+        rotary,
+    };
     let entry = |ours: String, hf: Option<String>, shape: Vec<usize>, rows| Entry {
         ours,
         hf,
@@ -170,19 +189,19 @@ pub fn entries(config: &ModelConfig) -> Vec<Entry> {
             "attn.q_proj",
             "self_attn.q_proj",
             &[q_heads * d, d_model],
-            Some(head_rows(q_heads, d, paired, true)),
+            Some(rows(q_heads, d, paired, true)),
         ));
         all.push(linear(
             "attn.k_proj",
             "self_attn.k_proj",
             &[kv_heads * d, d_model],
-            Some(head_rows(kv_heads, d, paired, true)),
+            Some(rows(kv_heads, d, paired, true)),
         ));
         all.push(linear(
             "attn.v_proj",
             "self_attn.v_proj",
             &[kv_heads * d, d_model],
-            paired.then(|| head_rows(kv_heads, d, true, false)),
+            paired.then(|| rows(kv_heads, d, true, false)),
         ));
         all.push(linear(
             "attn.o_proj",

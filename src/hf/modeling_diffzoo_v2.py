@@ -185,9 +185,11 @@ class DiffzooV2Model(DiffzooV2PreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def forward(self, input_ids, attention_mask=None):
-        x = self.embed_tokens(input_ids)
-        s = input_ids.shape[1]
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids and inputs_embeds")
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        s = x.shape[1]
         if s > self.config.max_position_embeddings:
             raise ValueError(f"{s} tokens exceed max_position_embeddings = {self.config.max_position_embeddings}")
         cos, sin = rope_tables(self.config, s, x.device, x.dtype)
@@ -227,8 +229,8 @@ class DiffzooV2ForCausalLM(DiffzooV2PreTrainedModel, GenerationMixin):
         # No KV cache: every step reads the whole sequence.
         return {"input_ids": input_ids, "attention_mask": attention_mask}
 
-    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
-        hidden = self.model(input_ids, attention_mask)
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None, **kwargs):
+        hidden = self.model(input_ids, attention_mask, inputs_embeds)
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
