@@ -5,10 +5,11 @@ transformers itself, with the per-token NLL transformers computes on fixed token
     tests/hf/fixtures/<case>.tokens.json {"input_ids": [[...], ...]}, what `eval ppl --tokens` reads
     tests/hf/fixtures/<case>.nll.json    {"nll": [[...], ...]}, nll[b][t] = −log p(ids[b][t+1] | ids[b][≤t])
 
-Cases: llama_gqa (LlamaForCausalLM, GQA, bf16, sharded, rope θ 5e5, ε 1e-6), diffllama_mha
-(DiffLlamaForCausalLM, tied embeddings, with a tokenizer) and diffllama_gqa (3 layers, GQA).
-Norm weights and λ vectors are drawn away from their initial values so that a mapping that
-drops or misplaces them changes the NLL.
+Cases: llama_gqa (LlamaForCausalLM, GQA, bf16, sharded, rope θ 5e5, ε 1e-2), diffllama_mha
+(DiffLlamaForCausalLM, tied embeddings, with a tokenizer) and diffllama_gqa (3 layers, GQA,
+ε 0.05). The large ε make a norm that ignores `rms_norm_eps` visible in the NLL.
+Norm weights and λ vectors are drawn away from their initial values, and the other weights are
+large, so that a mapping that drops or misplaces anything changes the NLL.
 
 Regenerate with (a venv holding torch and transformers, e.g. the one `bash .ci/setup hf` makes):
 
@@ -86,7 +87,11 @@ def case(out, name, cls, config, seed, dtype=torch.float32, shard=None, with_tok
 def main(out):
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    common = dict(vocab_size=VOCAB, max_position_embeddings=64, hidden_size=64, intermediate_size=96)
+    # Weights 10× transformers' default scale: sharp attention and logits far from uniform, so
+    # that a misplaced row or a wrong ε moves the NLL well past the tests' tolerance.
+    common = dict(
+        vocab_size=VOCAB, max_position_embeddings=64, hidden_size=64, intermediate_size=96, initializer_range=0.2
+    )
     case(
         out,
         "llama_gqa",
@@ -96,7 +101,7 @@ def main(out):
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
-            rms_norm_eps=1e-6,
+            rms_norm_eps=1e-2,
             rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
             tie_word_embeddings=False,
         ),
@@ -127,7 +132,7 @@ def main(out):
             num_hidden_layers=3,
             num_attention_heads=8,
             num_key_value_heads=4,
-            rms_norm_eps=1e-5,
+            rms_norm_eps=0.05,
         ),
         seed=3,
     )
