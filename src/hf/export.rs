@@ -6,8 +6,8 @@
 //! directory is written under a temporary name and renamed at the end.
 
 use super::{
-    Architecture, CONFIG, Dtype, Entry, FloatFormat, TOKENIZER, V2_MODULE, V2_SOURCE, WEIGHTS,
-    WEIGHTS_INDEX, config, entries,
+    Architecture, CONFIG, Dtype, Entry, FloatFormat, Pending, TOKENIZER, V2_MODULE, V2_SOURCE,
+    WEIGHTS, WEIGHTS_INDEX, config, entries, write_safetensors,
 };
 use crate::{device, run};
 use anyhow::{Context, Result, anyhow, bail};
@@ -16,7 +16,6 @@ use burn::store::{BurnToPyTorchAdapter, ModuleSnapshot};
 use diffzoo_models::{AttentionKind, ModelConfig};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::Path;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -98,12 +97,26 @@ fn export(
         } else {
             format!("model-{:05}-of-{count:05}.safetensors", i + 1)
         };
-        let members: Vec<&Entry> = members.iter().map(|&m| &tensors[m]).collect();
-        write_safetensors(&staging.join(&file), &members, dtype, |entry| {
-            hf_values(entry, &ours, &config)
-        })?;
-        for entry in members {
-            weight_map.insert(entry.hf.clone().expect("exported"), file.clone());
+        let pending: Vec<Pending> = members
+            .iter()
+            .map(|&m| {
+                let entry = &tensors[m];
+                let (ours, config) = (&ours, &config);
+                Pending {
+                    name: entry.hf.clone().expect("exported"),
+                    shape: entry.shape.clone(),
+                    values: Box::new(move || hf_values(entry, ours, config)),
+                }
+            })
+            .collect();
+        write_safetensors(
+            &staging.join(&file),
+            &pending,
+            dtype,
+            json!({"format": "pt"}),
+        )?;
+        for t in pending {
+            weight_map.insert(t.name, file.clone());
         }
     }
     if count > 1 {
@@ -203,48 +216,6 @@ fn shard(sizes: &[u64], limit: u64) -> Vec<Vec<usize>> {
         used += size;
     }
     shards
-}
-
-/// Writes a safetensors file holding `entries` in `dtype`, producing each tensor's values only
-/// when its turn comes (memory: one tensor).
-fn write_safetensors(
-    path: &Path,
-    entries: &[&Entry],
-    dtype: Dtype,
-    mut values: impl FnMut(&Entry) -> Result<Vec<f32>>,
-) -> Result<()> {
-    let name = match dtype {
-        Dtype::F32 => "F32",
-        Dtype::Bf16 => "BF16",
-    };
-    let mut header = serde_json::Map::new();
-    header.insert("__metadata__".into(), json!({"format": "pt"}));
-    let mut offset = 0usize;
-    for entry in entries {
-        let len = entry.shape.iter().product::<usize>() * dtype.size();
-        header.insert(
-            entry.hf.clone().expect("exported"),
-            json!({"dtype": name, "shape": entry.shape, "data_offsets": [offset, offset + len]}),
-        );
-        offset += len;
-    }
-    let mut header = serde_json::to_vec(&Value::Object(header))?;
-    header.resize(header.len().next_multiple_of(8), b' ');
-    let file =
-        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    let mut out = std::io::BufWriter::new(file);
-    let context = || format!("writing {}", path.display());
-    out.write_all(&(header.len() as u64).to_le_bytes())
-        .with_context(context)?;
-    out.write_all(&header).with_context(context)?;
-    for entry in entries {
-        let data = values(entry)?;
-        out.write_all(&dtype.bytes(&data)).with_context(context)?;
-    }
-    out.into_inner()
-        .map_err(|e| anyhow!("{}: {e}", path.display()))?
-        .sync_all()
-        .with_context(context)
 }
 
 fn write_json(path: &Path, value: &Value) -> Result<()> {

@@ -3,22 +3,27 @@
 //! `generate`, every `eval`, `compare`, `export` and `training.init_from` accept.
 //!
 //! The safetensors files are memory-mapped and each tensor is converted (rows permuted, see
-//! [`super`]) only when the model asks for it, so memory holds the model and one tensor. The run
-//! is written under a temporary name and renamed at the end: an error leaves nothing at `--out`.
+//! [`super`]) when the writer of the run's `model.safetensors` and `model.bpk` reaches it: the
+//! model is never built, so memory holds one tensor and a checkpoint larger than memory imports.
+//! The run is written under a temporary name and renamed at the end: an error leaves nothing at
+//! `--out`.
 
 use super::config::{self, HfConfig};
-use super::{CONFIG, Dtype, Entry, FloatFormat, TOKENIZER, WEIGHTS, WEIGHTS_INDEX, entries};
+use super::{
+    CONFIG, Dtype, Entry, FloatFormat, Pending, TOKENIZER, WEIGHTS, WEIGHTS_INDEX, entries,
+    write_safetensors,
+};
 use crate::recipe::{
     CheckpointSection, DataSection, OptimizerSection, Recipe, ScheduleSection, TrainingSection,
 };
-use crate::{device, run};
+use crate::run;
 use anyhow::{Context, Result, anyhow, bail};
+use burn::module::ParamId;
 use burn::store::burn_pack::{self, Bytes};
-use burn::store::{ModuleSnapshot, PyTorchToBurnAdapter};
 use diffzoo_datasets::TextTokenizer;
 use memmap2::Mmap;
 use safetensors::{Dtype as StDtype, SafeTensors};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -82,20 +87,8 @@ fn import(dir: &Path, out: &Path, staging: &Path, dtype: Dtype) -> Result<(HfCon
         .validate()
         .map_err(|e| anyhow!("{}: {e}", config_path.display()))?;
     let checkpoint = Arc::new(Checkpoint::open(dir)?);
-    let tensors = checkpoint.plan(&entries(&model_config), dtype)?;
-
-    let device = device::parse("cpu")?;
-    let mut model = model_config.init(&device);
-    let applied = model.apply(tensors, None, Some(Box::new(PyTorchToBurnAdapter)), true);
-    if !(applied.errors.is_empty() && applied.missing.is_empty() && applied.unused.is_empty()) {
-        bail!(
-            "{}: the weights do not fit the model: errors {:?}, missing {:?}, unused {:?}",
-            dir.display(),
-            applied.errors,
-            applied.missing,
-            applied.unused
-        );
-    }
+    let tensors = checkpoint.plan(&entries(&model_config))?;
+    let names = super::burn_names(&model_config);
 
     let tokenizer_path = dir.join(TOKENIZER);
     let tokenizer = if tokenizer_path.is_file() {
@@ -132,7 +125,7 @@ fn import(dir: &Path, out: &Path, staging: &Path, dtype: Dtype) -> Result<(HfCon
         &staging.join(NOTE),
         serde_json::to_string_pretty(&note)? + "\n",
     )?;
-    run::save_final(staging, &model)?;
+    write_model(staging, &tensors, &names, dtype)?;
     Ok((hf, tokenizer.is_some()))
 }
 
@@ -292,9 +285,8 @@ impl Checkpoint {
     }
 
     /// Checks every tensor the model needs (present, of its shape, of a float format we can
-    /// hold) and that the checkpoint holds nothing else, then returns them as tensors that
-    /// convert their data when the model reads them.
-    fn plan(self: &Arc<Self>, entries: &[Entry], dtype: Dtype) -> Result<Vec<burn_pack::Tensor>> {
+    /// hold) and that the checkpoint holds nothing else; returns what converts each one.
+    fn plan(self: &Arc<Self>, entries: &[Entry]) -> Result<Vec<Planned>> {
         let mut unused: BTreeSet<&str> = self
             .index
             .keys()
@@ -302,50 +294,22 @@ impl Checkpoint {
             // RoPE frequencies that older transformers saved: derived from rope_theta.
             .filter(|name| !name.ends_with("rotary_emb.inv_freq"))
             .collect();
-        let pack_dtype = match dtype {
-            Dtype::F32 => burn_pack::DType::F32,
-            Dtype::Bf16 => burn_pack::DType::BF16,
-        };
-        let mut tensors = Vec::with_capacity(entries.len());
+        let mut planned = Vec::with_capacity(entries.len());
         for entry in entries {
-            let numel: usize = entry.shape.iter().product();
-            let Some(hf) = &entry.hf else {
+            let source = match &entry.hf {
                 // DIFF V1's subln: transformers' per-head RMSNorm has no weight.
-                let ones = Bytes::from_bytes_vec(dtype.bytes(&vec![1.0; numel]));
-                tensors.push(burn_pack::Tensor::new(
-                    entry.ours.clone(),
-                    pack_dtype,
-                    entry.shape.clone(),
-                    None,
-                    ones,
-                ));
-                continue;
+                None => None,
+                Some(hf) => {
+                    let format = self.check(hf, &entry.shape)?;
+                    unused.remove(hf.as_str());
+                    Some((hf.clone(), format))
+                }
             };
-            let format = self.check(hf, &entry.shape)?;
-            unused.remove(hf.as_str());
-            let this = Arc::clone(self);
-            let (hf, rows) = (hf.clone(), entry.rows);
-            let cols = if entry.shape.len() == 2 {
-                entry.shape[1]
-            } else {
-                1
-            };
-            let len = numel * dtype.size();
-            tensors.push(burn_pack::Tensor::deferred(
-                entry.ours.clone(),
-                pack_dtype,
-                entry.shape.clone(),
-                None,
-                len,
-                move || {
-                    let values = super::decode_floats(this.bytes(&this.index[&hf]), format);
-                    let values = match rows {
-                        Some(rows) => super::gather_rows(&values, &rows.order(), cols),
-                        None => values,
-                    };
-                    Ok(Bytes::from_bytes_vec(dtype.bytes(&values)))
-                },
-            ));
+            planned.push(Planned {
+                checkpoint: Arc::clone(self),
+                entry: entry.clone(),
+                source,
+            });
         }
         // A tied checkpoint may store the head anyway; transformers ties it to the embedding.
         let tied = !entries.iter().any(|e| e.hf.as_deref() == Some(HEAD));
@@ -368,7 +332,22 @@ impl Checkpoint {
                 unused.into_iter().collect::<Vec<_>>().join(", ")
             );
         }
-        Ok(tensors)
+        Ok(planned)
+    }
+
+    /// Drops a read tensor's pages from this process's memory (the kernel reads them again
+    /// from the file if they are touched again), so that resident memory stays one tensor.
+    fn release(&self, stored: &Stored) {
+        // SAFETY: the map is a read-only mapping of a file: MADV_DONTNEED discards the pages'
+        // copies, and any later read faults them in from the file with the same contents.
+        // Failure only leaves the pages resident.
+        let _ = unsafe {
+            self.files[stored.file].map.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                stored.start,
+                stored.len,
+            )
+        };
     }
 
     /// A stored tensor's bytes.
@@ -402,6 +381,96 @@ impl Checkpoint {
             ),
         }
     }
+}
+
+/// One tensor of the run and where its values come from.
+#[derive(Clone)]
+struct Planned {
+    checkpoint: Arc<Checkpoint>,
+    entry: Entry,
+    /// The transformers tensor and its format; `None` for DIFF V1's subln (ones).
+    source: Option<(String, FloatFormat)>,
+}
+
+impl Planned {
+    /// Our values in Burn's layout: rows in our order, linear layers transposed.
+    fn values(&self) -> Vec<f32> {
+        let shape = &self.entry.shape;
+        let Some((name, format)) = &self.source else {
+            return vec![1.0; shape.iter().product()];
+        };
+        let stored = &self.checkpoint.index[name];
+        let values = super::decode_floats(self.checkpoint.bytes(stored), *format);
+        self.checkpoint.release(stored);
+        let values = match self.entry.rows {
+            Some(rows) => super::gather_rows(&values, &rows.order(), shape[1]),
+            None => values,
+        };
+        if self.entry.linear {
+            super::transpose(&values, shape[0], shape[1])
+        } else {
+            values
+        }
+    }
+
+    /// The shape Burn stores.
+    fn burn_shape(&self) -> Vec<usize> {
+        let mut shape = self.entry.shape.clone();
+        if self.entry.linear {
+            shape.reverse();
+        }
+        shape
+    }
+}
+
+/// Writes the run's `model.safetensors`, then `model.bpk` (Burn's record, what `load_model`
+/// reads), under Burn's names, converting one tensor at a time.
+fn write_model(
+    dir: &Path,
+    tensors: &[Planned],
+    names: &HashMap<String, String>,
+    dtype: Dtype,
+) -> Result<()> {
+    let name = |t: &Planned| names[&t.entry.ours].clone();
+    let pending: Vec<Pending> = tensors
+        .iter()
+        .map(|t| Pending {
+            name: name(t),
+            shape: t.burn_shape(),
+            values: Box::new(|| Ok(t.values())),
+        })
+        .collect();
+    let metadata = serde_json::json!({
+        "format": "safetensors",
+        "producer": "diffzoo import hf",
+        "version": env!("CARGO_PKG_VERSION"),
+    });
+    write_safetensors(&dir.join(run::FINAL_SAFETENSORS), &pending, dtype, metadata)?;
+    let pack_dtype = match dtype {
+        Dtype::F32 => burn_pack::DType::F32,
+        Dtype::Bf16 => burn_pack::DType::BF16,
+    };
+    let records: Vec<burn_pack::Tensor> = tensors
+        .iter()
+        .map(|t| {
+            let shape = t.burn_shape();
+            let len = shape.iter().product::<usize>() * dtype.size();
+            let planned = t.clone();
+            burn_pack::Tensor::deferred(
+                name(t),
+                pack_dtype,
+                shape,
+                Some(ParamId::new().val()),
+                len,
+                move || Ok(Bytes::from_bytes_vec(dtype.bytes(&planned.values()))),
+            )
+        })
+        .collect();
+    let path = dir.join(run::FINAL_MODEL);
+    burn_pack::Writer::new(records)
+        .auto_extension(false)
+        .write_to_file(&path)
+        .map_err(|e| anyhow!("writing {}: {e}", path.display()))
 }
 
 impl File {

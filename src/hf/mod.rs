@@ -33,6 +33,7 @@ pub mod import;
 
 use anyhow::{Context, Result, bail};
 use diffzoo_models::{AttentionKind, ModelConfig};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 pub const CONFIG: &str = "config.json";
@@ -126,6 +127,8 @@ pub struct Entry {
     pub shape: Vec<usize>,
     /// How our rows are ordered relative to transformers'; `None` when in the same order.
     pub rows: Option<Rows>,
+    /// A linear layer's weight, which Burn stores transposed (`[in, out]`).
+    pub linear: bool,
 }
 
 /// The row order of a projection onto `heads` heads of `d` rows (see [`head_rows`]), kept as a
@@ -163,6 +166,7 @@ pub fn entries(config: &ModelConfig) -> Vec<Entry> {
         rotary,
     };
     let entry = |ours: String, hf: Option<String>, shape: Vec<usize>, rows| Entry {
+        linear: false,
         ours,
         hf,
         shape,
@@ -176,34 +180,36 @@ pub fn entries(config: &ModelConfig) -> Vec<Entry> {
     )];
     for i in 0..config.layers {
         let (ours, hf) = (format!("blocks.{i}."), format!("model.layers.{i}."));
-        let linear = |o: &str, h: &str, shape: &[usize], rows| {
-            entry(
+        // A `.weight`: a linear layer's when it is a matrix, else a norm's.
+        let weight = |o: &str, h: &str, shape: &[usize], rows| Entry {
+            linear: shape.len() == 2,
+            ..entry(
                 format!("{ours}{o}.weight"),
                 Some(format!("{hf}{h}.weight")),
                 shape.to_vec(),
                 rows,
             )
         };
-        all.push(linear("attn_norm", "input_layernorm", &[d_model], None));
-        all.push(linear(
+        all.push(weight("attn_norm", "input_layernorm", &[d_model], None));
+        all.push(weight(
             "attn.q_proj",
             "self_attn.q_proj",
             &[q_heads * d, d_model],
             Some(rows(q_heads, d, paired, true)),
         ));
-        all.push(linear(
+        all.push(weight(
             "attn.k_proj",
             "self_attn.k_proj",
             &[kv_heads * d, d_model],
             Some(rows(kv_heads, d, paired, true)),
         ));
-        all.push(linear(
+        all.push(weight(
             "attn.v_proj",
             "self_attn.v_proj",
             &[kv_heads * d, d_model],
             paired.then(|| rows(kv_heads, d, true, false)),
         ));
-        all.push(linear(
+        all.push(weight(
             "attn.o_proj",
             "self_attn.o_proj",
             &[d_model, heads * d],
@@ -227,22 +233,22 @@ pub fn entries(config: &ModelConfig) -> Vec<Entry> {
                     None,
                 ));
             }
-            AttentionKind::DiffV2 => all.push(linear(
+            AttentionKind::DiffV2 => all.push(weight(
                 "attn.lambda_proj",
                 "self_attn.lambda_proj",
                 &[heads, d_model],
                 None,
             )),
         }
-        all.push(linear(
+        all.push(weight(
             "ffn_norm",
             "post_attention_layernorm",
             &[d_model],
             None,
         ));
-        all.push(linear("ffn.w_g", "mlp.gate_proj", &[ffn, d_model], None));
-        all.push(linear("ffn.w1", "mlp.up_proj", &[ffn, d_model], None));
-        all.push(linear("ffn.w2", "mlp.down_proj", &[d_model, ffn], None));
+        all.push(weight("ffn.w_g", "mlp.gate_proj", &[ffn, d_model], None));
+        all.push(weight("ffn.w1", "mlp.up_proj", &[ffn, d_model], None));
+        all.push(weight("ffn.w2", "mlp.down_proj", &[d_model, ffn], None));
     }
     all.push(entry(
         "norm.weight".into(),
@@ -251,14 +257,97 @@ pub fn entries(config: &ModelConfig) -> Vec<Entry> {
         None,
     ));
     if !config.tie_embeddings {
-        all.push(entry(
-            "lm_head.weight".into(),
-            Some("lm_head.weight".into()),
-            vec![vocab, d_model],
-            None,
-        ));
+        all.push(Entry {
+            linear: true,
+            ..entry(
+                "lm_head.weight".into(),
+                Some("lm_head.weight".into()),
+                vec![vocab, d_model],
+                None,
+            )
+        });
     }
     all
+}
+
+/// Burn's name of each tensor (module paths with enum variants, norms' `gamma`), keyed by
+/// [`Entry::ours`]: read off a model of the same structure but tiny dimensions, so that naming
+/// a big model allocates nothing.
+pub fn burn_names(config: &ModelConfig) -> HashMap<String, String> {
+    use burn::store::{BurnToPyTorchAdapter, ModuleSnapshot};
+    let tiny = ModelConfig::new(config.attention, 16, config.layers, 4, 8, 2)
+        .with_kv_heads(Some(2))
+        .with_ffn_dim(Some(8))
+        .with_tie_embeddings(config.tie_embeddings)
+        .init(&burn::tensor::Device::flex());
+    let burn = tiny.collect(None, None, false);
+    let ours = tiny.collect(None, Some(Box::new(BurnToPyTorchAdapter)), true);
+    ours.into_iter()
+        .zip(burn)
+        .map(|(o, b)| (o.name, b.name))
+        .collect()
+}
+
+/// One tensor to write: its name, shape and what produces its values (called once, when the
+/// writer reaches it).
+pub struct Pending<'a> {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub values: Box<dyn Fn() -> Result<Vec<f32>> + 'a>,
+}
+
+/// Writes a safetensors file of `tensors` in `dtype`, one tensor in memory at a time, with
+/// `metadata` in its header.
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &[Pending],
+    dtype: Dtype,
+    metadata: serde_json::Value,
+) -> Result<()> {
+    use std::io::Write;
+    let name = match dtype {
+        Dtype::F32 => "F32",
+        Dtype::Bf16 => "BF16",
+    };
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), metadata);
+    let mut offset = 0usize;
+    for t in tensors {
+        let len = t.shape.iter().product::<usize>() * dtype.size();
+        header.insert(
+            t.name.clone(),
+            serde_json::json!({"dtype": name, "shape": t.shape, "data_offsets": [offset, offset + len]}),
+        );
+        offset += len;
+    }
+    let mut header = serde_json::to_vec(&serde_json::Value::Object(header))?;
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let file =
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let mut out = std::io::BufWriter::new(file);
+    let context = || format!("writing {}", path.display());
+    out.write_all(&(header.len() as u64).to_le_bytes())
+        .with_context(context)?;
+    out.write_all(&header).with_context(context)?;
+    for t in tensors {
+        let values = (t.values)()?;
+        out.write_all(&dtype.bytes(&values)).with_context(context)?;
+    }
+    out.into_inner()
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?
+        .sync_all()
+        .with_context(context)
+}
+
+/// A row-major `[rows, cols]` matrix transposed.
+pub fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0; x.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = x[r * cols + c];
+        }
+    }
+    out
 }
 
 /// The row order of a projection onto `heads` heads of `d` rows: our head `j` is transformers'
@@ -430,6 +519,40 @@ mod tests {
                 assert_eq!(have, want, "{kind}, tied {tie}");
             }
         }
+    }
+
+    #[test]
+    fn burn_names_and_layouts_are_those_of_the_real_model() {
+        use burn::store::ModuleSnapshot;
+        let device = burn::tensor::Device::flex();
+        for kind in AttentionKind::ALL {
+            let config = ModelConfig::new(kind, 24, 2, 4, 40, 16)
+                .with_kv_heads(Some(2))
+                .with_ffn_dim(Some(20));
+            let names = burn_names(&config);
+            let model = config.init(&device);
+            let burn: HashMap<String, Vec<usize>> = model
+                .collect(None, None, false)
+                .into_iter()
+                .map(|t| (t.name.clone(), t.shape.to_vec()))
+                .collect();
+            let entries = entries(&config);
+            assert_eq!(entries.len(), burn.len(), "{kind}");
+            for e in entries {
+                let mut shape = e.shape.clone();
+                if e.linear {
+                    shape.reverse();
+                }
+                assert_eq!(burn[&names[&e.ours]], shape, "{kind}: {}", e.ours);
+            }
+        }
+    }
+
+    #[test]
+    fn transpose_moves_rows_to_columns() {
+        let x = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        assert_eq!(transpose(&x, 2, 3), vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
+        assert_eq!(transpose(&transpose(&x, 2, 3), 3, 2), x.to_vec());
     }
 
     #[test]
