@@ -90,7 +90,7 @@ pub fn run_tokenizer(run: &Path) -> Result<TextTokenizer> {
     let path = run.join(TOKENIZER);
     if !path.exists() {
         bail!(
-            "{}: no {TOKENIZER} (a checkpoint imported without one): only `eval ppl --tokens` and `export hf` work on this run",
+            "{}: no {TOKENIZER}: only `eval ppl --tokens` and `export hf` work on a run without one (an import of a checkpoint that had none)",
             run.display()
         );
     }

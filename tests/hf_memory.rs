@@ -1,5 +1,5 @@
-//! `diffzoo import hf` streams: a checkpoint imports with resident memory of about one tensor
-//! beyond the process's own, never the model. Alone in its test binary, so that the peak resident
+//! `diffzoo import hf` streams: a checkpoint imports with resident memory of a few tensors beyond
+//! the process's own, never the model. Alone in its test binary, so that the peak resident
 //! memory of this process's children (`getrusage(RUSAGE_CHILDREN)`) is that of the imports here.
 
 mod common;
@@ -68,7 +68,7 @@ fn write_checkpoint(dir: &Path) -> u64 {
 }
 
 #[test]
-fn a_checkpoint_imports_in_the_memory_of_one_tensor() {
+fn a_checkpoint_imports_without_building_the_model() {
     let tmp = tempfile::tempdir().unwrap();
     // The process's own footprint: an import of a tiny checkpoint.
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/hf/fixtures/diffllama_gqa");

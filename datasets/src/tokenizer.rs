@@ -124,6 +124,16 @@ impl TextTokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// One more than the largest id (the vocabulary size a model needs; more than
+    /// [`Self::vocab_size`] when added tokens leave gaps).
+    pub fn id_bound(&self) -> usize {
+        self.inner
+            .get_vocab(true)
+            .values()
+            .max()
+            .map_or(0, |&id| id as usize + 1)
+    }
+
     /// The end-of-text token's text, e.g. `<|endoftext|>`.
     pub fn eot_token(&self) -> String {
         self.inner

@@ -148,8 +148,7 @@ fn parse(value: &Value) -> Result<HfConfig> {
         }
     }
     if let Some(auto_map) = map.get("auto_map")
-        && !(architecture == Architecture::DiffzooV2
-            && auto_map.to_string().contains(super::V2_MODULE))
+        && !(architecture == Architecture::DiffzooV2 && *auto_map == v2_auto_map())
     {
         bail!(
             "`auto_map` = {auto_map} points transformers at custom code for {}: its computation is unknown to diffzoo, so it is refused",
@@ -164,6 +163,20 @@ fn parse(value: &Value) -> Result<HfConfig> {
     };
     if heads == 0 || !d_model.is_multiple_of(heads) {
         bail!("`num_attention_heads` = {heads} does not divide `hidden_size` = {d_model}");
+    }
+    if !heads.is_multiple_of(kv_heads) {
+        bail!("`num_key_value_heads` = {kv_heads} does not divide `num_attention_heads` = {heads}");
+    }
+    if !(d_model / heads).is_multiple_of(2) {
+        bail!(
+            "hidden_size / num_attention_heads = {} must be even: RoPE turns pairs",
+            d_model / heads
+        );
+    }
+    if architecture == Architecture::DiffLlama && !(heads % 2 == 0 && kv_heads % 2 == 0) {
+        bail!(
+            "`num_attention_heads` = {heads} and `num_key_value_heads` = {kv_heads} must be even: DiffLlama pairs heads and splits values in halves"
+        );
     }
     if let Some(v) = map.get("head_dim")
         && !v.is_null()
@@ -263,8 +276,8 @@ fn rope_theta(map: &Map<String, Value>) -> Result<f64> {
                     let t = v
                         .as_f64()
                         .ok_or_else(|| anyhow!("`{key}.rope_theta` = {v} is not a number"))?;
-                    if theta.is_some_and(|old| old != t) {
-                        bail!("`{key}.rope_theta` = {t} disagrees with `rope_theta` = {theta:?}");
+                    if let Some(old) = theta.filter(|&old| old != t) {
+                        bail!("`{key}.rope_theta` = {t} disagrees with `rope_theta` = {old}");
                     }
                     theta = Some(t);
                 }
@@ -275,8 +288,8 @@ fn rope_theta(map: &Map<String, Value>) -> Result<f64> {
         }
     }
     let theta = theta.unwrap_or(10_000.0);
-    if !(theta.is_finite() && theta > 0.0) {
-        bail!("RoPE θ = {theta} must be positive");
+    if !(theta > 0.0 && theta <= f32::MAX as f64) {
+        bail!("RoPE θ (`rope_theta`) = {theta} must be positive and fit in f32");
     }
     Ok(theta)
 }
@@ -315,13 +328,18 @@ pub fn write(
         value["bos_token_id"] = json!(eos);
     }
     if architecture == Architecture::DiffzooV2 {
-        let module = super::V2_MODULE;
-        value["auto_map"] = json!({
-            "AutoConfig": format!("{module}.DiffzooV2Config"),
-            "AutoModelForCausalLM": format!("{module}.DiffzooV2ForCausalLM"),
-        });
+        value["auto_map"] = v2_auto_map();
     }
     value
+}
+
+/// The `auto_map` of a DIFF V2 export: transformers' classes from our modeling file.
+fn v2_auto_map() -> Value {
+    let module = super::V2_MODULE;
+    json!({
+        "AutoConfig": format!("{module}.DiffzooV2Config"),
+        "AutoModelForCausalLM": format!("{module}.DiffzooV2ForCausalLM"),
+    })
 }
 
 fn same(value: &Value, want: &str) -> bool {
@@ -398,7 +416,7 @@ mod tests {
 
     #[test]
     fn what_cannot_be_honoured_is_refused_by_name() {
-        let cases: [(&str, Value, &str); 11] = [
+        let cases: [(&str, Value, &str); 13] = [
             (
                 "rope_parameters",
                 json!({"rope_type": "llama3", "factor": 8.0}),
@@ -430,6 +448,8 @@ mod tests {
                 "max_position_embeddings",
             ),
             ("hidden_size", json!(1u64 << 40), "hidden_size"),
+            ("num_key_value_heads", json!(3), "num_key_value_heads"),
+            ("rope_theta", json!(1e300), "rope_theta"),
         ];
         for (key, value, named) in cases {
             let mut config = llama();

@@ -7,7 +7,7 @@
 
 use super::{
     Architecture, CONFIG, Dtype, Entry, FloatFormat, Pending, TOKENIZER, V2_MODULE, V2_SOURCE,
-    WEIGHTS, WEIGHTS_INDEX, config, entries, write_safetensors,
+    WEIGHTS, WEIGHTS_INDEX, config, entries, write_file, write_safetensors,
 };
 use crate::{device, run};
 use anyhow::{Context, Result, anyhow, bail};
@@ -84,10 +84,7 @@ fn export(
         .collect();
 
     std::fs::create_dir_all(staging).with_context(|| format!("creating {}", staging.display()))?;
-    let sizes: Vec<u64> = tensors
-        .iter()
-        .map(|e| (e.shape.iter().product::<usize>() * dtype.size()) as u64)
-        .collect();
+    let sizes: Vec<u64> = tensors.iter().map(|e| e.bytes(dtype) as u64).collect();
     let shards = shard(&sizes, limit);
     let count = shards.len();
     let mut weight_map = BTreeMap::new();
@@ -105,7 +102,7 @@ fn export(
                 Pending {
                     name: entry.hf.clone().expect("exported"),
                     shape: entry.shape.clone(),
-                    values: Box::new(move || hf_values(entry, ours, config)),
+                    bytes: Box::new(move || Ok(dtype.bytes(&hf_values(entry, ours, config)?))),
                 }
             })
             .collect();
@@ -220,10 +217,6 @@ fn shard(sizes: &[u64], limit: u64) -> Vec<Vec<usize>> {
 
 fn write_json(path: &Path, value: &Value) -> Result<()> {
     write_file(path, serde_json::to_string_pretty(value)? + "\n")
-}
-
-fn write_file(path: &Path, text: impl AsRef<[u8]>) -> Result<()> {
-    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
 /// `5GB`, `500MB`, `100KiB` or plain bytes.

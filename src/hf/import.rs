@@ -10,8 +10,8 @@
 
 use super::config::{self, HfConfig};
 use super::{
-    CONFIG, Dtype, Entry, FloatFormat, Pending, TOKENIZER, WEIGHTS, WEIGHTS_INDEX, entries,
-    write_safetensors,
+    CONFIG, Dtype, Entry, FloatFormat, Pending, Rows, TOKENIZER, WEIGHTS, WEIGHTS_INDEX, entries,
+    write_file, write_safetensors,
 };
 use crate::recipe::{
     CheckpointSection, DataSection, OptimizerSection, Recipe, ScheduleSection, TrainingSection,
@@ -88,16 +88,16 @@ fn import(dir: &Path, out: &Path, staging: &Path, dtype: Dtype) -> Result<(HfCon
         .map_err(|e| anyhow!("{}: {e}", config_path.display()))?;
     let checkpoint = Arc::new(Checkpoint::open(dir)?);
     let tensors = checkpoint.plan(&entries(&model_config))?;
-    let names = super::burn_names(&model_config);
+    let names = super::burn_names(&model_config)?;
 
     let tokenizer_path = dir.join(TOKENIZER);
     let tokenizer = if tokenizer_path.is_file() {
         let tokenizer = TextTokenizer::from_file(&tokenizer_path)?;
-        if tokenizer.vocab_size() > hf.model.vocab_size {
+        if tokenizer.id_bound() > hf.model.vocab_size {
             bail!(
-                "{}: the tokenizer has {} tokens but `vocab_size` = {} in {CONFIG}",
+                "{}: the tokenizer has ids up to {} but `vocab_size` = {} in {CONFIG}",
                 tokenizer_path.display(),
-                tokenizer.vocab_size(),
+                tokenizer.id_bound() - 1,
                 hf.model.vocab_size
             );
         }
@@ -108,9 +108,9 @@ fn import(dir: &Path, out: &Path, staging: &Path, dtype: Dtype) -> Result<(HfCon
 
     std::fs::create_dir_all(staging).with_context(|| format!("creating {}", staging.display()))?;
     let recipe = recipe_of(dir, out, &hf, dtype, tokenizer.is_some())?;
-    write(&staging.join(run::RECIPE), recipe.to_toml())?;
+    write_file(&staging.join(run::RECIPE), recipe.to_toml())?;
     if let Some(tokenizer) = &tokenizer {
-        write(&staging.join(run::TOKENIZER), tokenizer.json())?;
+        write_file(&staging.join(run::TOKENIZER), tokenizer.json())?;
     }
     let note = serde_json::json!({
         "format": "huggingface",
@@ -121,7 +121,7 @@ fn import(dir: &Path, out: &Path, staging: &Path, dtype: Dtype) -> Result<(HfCon
         "tokenizer": tokenizer.is_some(),
         "diffzoo": env!("CARGO_PKG_VERSION"),
     });
-    write(
+    write_file(
         &staging.join(NOTE),
         serde_json::to_string_pretty(&note)? + "\n",
     )?;
@@ -161,11 +161,7 @@ fn recipe_of(
             batch_tokens: seq_len,
             micro_batch: 1,
             seed: 42,
-            dtype: match dtype {
-                Dtype::F32 => "f32",
-                Dtype::Bf16 => "bf16",
-            }
-            .into(),
+            dtype: dtype.recipe_name().into(),
             device: "cpu".into(),
             log_every: 10,
             init_from: Some(out.display().to_string()),
@@ -179,6 +175,23 @@ struct File {
     name: String,
     path: PathBuf,
     map: Mmap,
+}
+
+impl File {
+    fn open(dir: &Path, name: &str) -> Result<Self> {
+        let path = dir.join(name);
+        let file =
+            std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+        // SAFETY: the map is read-only and lives as long as the checkpoint; like every
+        // safetensors reader we assume no other process truncates the file meanwhile.
+        let map =
+            unsafe { Mmap::map(&file) }.with_context(|| format!("mapping {}", path.display()))?;
+        Ok(Self {
+            name: name.into(),
+            path,
+            map,
+        })
+    }
 }
 
 /// Where a tensor's bytes are.
@@ -324,6 +337,8 @@ impl Checkpoint {
                     self.files[head.file].path.display()
                 );
             }
+            self.release(head);
+            self.release(embed);
         }
         if !unused.is_empty() {
             bail!(
@@ -393,33 +408,24 @@ struct Planned {
 }
 
 impl Planned {
-    /// Our values in Burn's layout: rows in our order, linear layers transposed.
-    fn values(&self) -> Vec<f32> {
-        let shape = &self.entry.shape;
+    /// Our tensor in Burn's layout, as `dtype` bytes: read one element at a time from the map
+    /// (rows in our order, linear layers transposed), so that memory holds only the result.
+    fn bytes(&self, dtype: Dtype) -> Vec<u8> {
+        let numel: usize = self.entry.shape.iter().product();
+        let mut out = Vec::with_capacity(self.entry.bytes(dtype));
         let Some((name, format)) = &self.source else {
-            return vec![1.0; shape.iter().product()];
+            (0..numel).for_each(|_| dtype.push(1.0, &mut out));
+            return out;
         };
         let stored = &self.checkpoint.index[name];
-        let values = super::decode_floats(self.checkpoint.bytes(stored), *format);
+        let source = self.checkpoint.bytes(stored);
+        let order = self.entry.rows.map(Rows::order);
+        for i in 0..numel {
+            let at = super::source_index(&self.entry, order.as_deref(), i);
+            dtype.push(format.get(source, at), &mut out);
+        }
         self.checkpoint.release(stored);
-        let values = match self.entry.rows {
-            Some(rows) => super::gather_rows(&values, &rows.order(), shape[1]),
-            None => values,
-        };
-        if self.entry.linear {
-            super::transpose(&values, shape[0], shape[1])
-        } else {
-            values
-        }
-    }
-
-    /// The shape Burn stores.
-    fn burn_shape(&self) -> Vec<usize> {
-        let mut shape = self.entry.shape.clone();
-        if self.entry.linear {
-            shape.reverse();
-        }
-        shape
+        out
     }
 }
 
@@ -436,8 +442,8 @@ fn write_model(
         .iter()
         .map(|t| Pending {
             name: name(t),
-            shape: t.burn_shape(),
-            values: Box::new(|| Ok(t.values())),
+            shape: t.entry.burn_shape(),
+            bytes: Box::new(move || Ok(t.bytes(dtype))),
         })
         .collect();
     let metadata = serde_json::json!({
@@ -446,52 +452,24 @@ fn write_model(
         "version": env!("CARGO_PKG_VERSION"),
     });
     write_safetensors(&dir.join(run::FINAL_SAFETENSORS), &pending, dtype, metadata)?;
-    let pack_dtype = match dtype {
-        Dtype::F32 => burn_pack::DType::F32,
-        Dtype::Bf16 => burn_pack::DType::BF16,
-    };
     let records: Vec<burn_pack::Tensor> = tensors
         .iter()
         .map(|t| {
-            let shape = t.burn_shape();
-            let len = shape.iter().product::<usize>() * dtype.size();
             let planned = t.clone();
             burn_pack::Tensor::deferred(
                 name(t),
-                pack_dtype,
-                shape,
+                dtype.pack(),
+                t.entry.burn_shape(),
                 Some(ParamId::new().val()),
-                len,
-                move || Ok(Bytes::from_bytes_vec(dtype.bytes(&planned.values()))),
+                t.entry.bytes(dtype),
+                move || Ok(Bytes::from_bytes_vec(planned.bytes(dtype))),
             )
         })
         .collect();
     let path = dir.join(run::FINAL_MODEL);
     burn_pack::Writer::new(records)
-        .auto_extension(false)
         .write_to_file(&path)
         .map_err(|e| anyhow!("writing {}: {e}", path.display()))
-}
-
-impl File {
-    fn open(dir: &Path, name: &str) -> Result<Self> {
-        let path = dir.join(name);
-        let file =
-            std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
-        // SAFETY: the map is read-only and lives as long as the checkpoint; like every
-        // safetensors reader we assume no other process truncates the file meanwhile.
-        let map =
-            unsafe { Mmap::map(&file) }.with_context(|| format!("mapping {}", path.display()))?;
-        Ok(Self {
-            name: name.into(),
-            path,
-            map,
-        })
-    }
-}
-
-fn write(path: &Path, text: impl AsRef<[u8]>) -> Result<()> {
-    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
 fn absolute(path: &Path) -> Result<PathBuf> {

@@ -120,7 +120,8 @@ impl Architecture {
 /// One tensor of the model under both names, in PyTorch layout (`[out, in]` for linear layers).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Entry {
-    /// Our name (the models crate's module path).
+    /// Our name as PyTorch would write it (the module path without enum variants, norms'
+    /// `weight`); Burn's own files name it as [`burn_names`] says.
     pub ours: String,
     /// The transformers name; `None` for DIFF V1's subln, which transformers does not have.
     pub hf: Option<String>,
@@ -139,6 +140,22 @@ pub struct Rows {
     pub d: usize,
     pub paired: bool,
     pub rotary: bool,
+}
+
+impl Entry {
+    /// The shape Burn stores: linear layers transposed.
+    pub fn burn_shape(&self) -> Vec<usize> {
+        let mut shape = self.shape.clone();
+        if self.linear {
+            shape.reverse();
+        }
+        shape
+    }
+
+    /// Bytes of the tensor in `dtype`.
+    pub fn bytes(&self, dtype: Dtype) -> usize {
+        self.shape.iter().product::<usize>() * dtype.size()
+    }
 }
 
 impl Rows {
@@ -273,27 +290,31 @@ pub fn entries(config: &ModelConfig) -> Vec<Entry> {
 /// Burn's name of each tensor (module paths with enum variants, norms' `gamma`), keyed by
 /// [`Entry::ours`]: read off a model of the same structure but tiny dimensions, so that naming
 /// a big model allocates nothing.
-pub fn burn_names(config: &ModelConfig) -> HashMap<String, String> {
+pub fn burn_names(config: &ModelConfig) -> Result<HashMap<String, String>> {
     use burn::store::{BurnToPyTorchAdapter, ModuleSnapshot};
     let tiny = ModelConfig::new(config.attention, 16, config.layers, 4, 8, 2)
         .with_kv_heads(Some(2))
         .with_ffn_dim(Some(8))
         .with_tie_embeddings(config.tie_embeddings)
-        .init(&burn::tensor::Device::flex());
+        .init(&crate::device::parse("cpu")?);
     let burn = tiny.collect(None, None, false);
     let ours = tiny.collect(None, Some(Box::new(BurnToPyTorchAdapter)), true);
-    ours.into_iter()
+    let count = burn.len();
+    let names: HashMap<String, String> = ours
+        .into_iter()
         .zip(burn)
         .map(|(o, b)| (o.name, b.name))
-        .collect()
+        .collect();
+    assert_eq!(names.len(), count, "one Burn name per tensor");
+    Ok(names)
 }
 
-/// One tensor to write: its name, shape and what produces its values (called once, when the
-/// writer reaches it).
+/// One tensor to write: its name, shape and what produces its bytes in the file's dtype (called
+/// once, when the writer reaches it).
 pub struct Pending<'a> {
     pub name: String,
     pub shape: Vec<usize>,
-    pub values: Box<dyn Fn() -> Result<Vec<f32>> + 'a>,
+    pub bytes: Box<dyn Fn() -> Result<Vec<u8>> + 'a>,
 }
 
 /// Writes a safetensors file of `tensors` in `dtype`, one tensor in memory at a time, with
@@ -330,8 +351,8 @@ pub fn write_safetensors(
         .with_context(context)?;
     out.write_all(&header).with_context(context)?;
     for t in tensors {
-        let values = (t.values)()?;
-        out.write_all(&dtype.bytes(&values)).with_context(context)?;
+        let bytes = (t.bytes)()?;
+        out.write_all(&bytes).with_context(context)?;
     }
     out.into_inner()
         .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?
@@ -339,15 +360,9 @@ pub fn write_safetensors(
         .with_context(context)
 }
 
-/// A row-major `[rows, cols]` matrix transposed.
-pub fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = vec![0.0; x.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            out[c * rows + r] = x[r * cols + c];
-        }
-    }
-    out
+/// Writes `text` to `path`, naming the file in an error.
+pub fn write_file(path: &Path, text: impl AsRef<[u8]>) -> Result<()> {
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
 /// The row order of a projection onto `heads` heads of `d` rows: our head `j` is transformers'
@@ -368,17 +383,20 @@ pub fn head_rows(heads: usize, d: usize, paired: bool, rotary: bool) -> Vec<usiz
         .collect()
 }
 
-/// Rows of a row-major `[rows.len(), cols]` matrix gathered: row `i` of the result is row
-/// `rows[i]` of `x` (import: transformers → ours).
-pub fn gather_rows(x: &[f32], rows: &[usize], cols: usize) -> Vec<f32> {
-    rows.iter()
-        .flat_map(|&r| &x[r * cols..(r + 1) * cols])
-        .copied()
-        .collect()
+/// Where element `i` of our tensor, in Burn's layout (linear layers `[in, out]`), is in
+/// transformers' row-major tensor, whose row `order[r]` is our row `r` (import: transformers →
+/// ours, one element at a time).
+pub fn source_index(entry: &Entry, order: Option<&[usize]>, i: usize) -> usize {
+    let (r, c, cols) = match entry.shape[..] {
+        [rows, cols] if entry.linear => (i % rows, i / rows, cols),
+        [_, cols] => (i / cols, i % cols, cols),
+        _ => return i,
+    };
+    order.map_or(r, |o| o[r]) * cols + c
 }
 
-/// The inverse of [`gather_rows`]: row `i` of `x` goes to row `rows[i]` (export: ours →
-/// transformers).
+/// Row `i` of a row-major `[rows.len(), cols]` matrix goes to row `rows[i]` (export: ours →
+/// transformers; the inverse of [`source_index`]'s reordering).
 pub fn scatter_rows(x: &[f32], rows: &[usize], cols: usize) -> Vec<f32> {
     let mut out = vec![0.0; x.len()];
     for (i, &r) in rows.iter().enumerate() {
@@ -403,6 +421,22 @@ impl Dtype {
         }
     }
 
+    /// The recipe's name (`training.dtype`).
+    pub fn recipe_name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        }
+    }
+
+    /// burn-pack's dtype.
+    pub fn pack(self) -> burn::store::burn_pack::DType {
+        match self {
+            Self::F32 => burn::store::burn_pack::DType::F32,
+            Self::Bf16 => burn::store::burn_pack::DType::BF16,
+        }
+    }
+
     /// transformers' name (`torch_dtype`).
     pub fn torch_name(self) -> &'static str {
         match self {
@@ -419,6 +453,14 @@ impl Dtype {
         }
     }
 
+    /// One value's little-endian bytes appended to `out` (bf16 rounds to nearest even).
+    pub fn push(self, v: f32, out: &mut Vec<u8>) {
+        match self {
+            Self::F32 => out.extend_from_slice(&v.to_le_bytes()),
+            Self::Bf16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+        }
+    }
+
     /// Little-endian bytes of `x` in this format (bf16 rounds to nearest even).
     pub fn bytes(self, x: &[f32]) -> Vec<u8> {
         match self {
@@ -427,6 +469,26 @@ impl Dtype {
                 .iter()
                 .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
                 .collect(),
+        }
+    }
+}
+
+impl FloatFormat {
+    /// Bytes per value.
+    pub fn size(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 | Self::F16 => 2,
+        }
+    }
+
+    /// Value `i` of little-endian `bytes`.
+    pub fn get(self, bytes: &[u8], i: usize) -> f32 {
+        let b = &bytes[i * self.size()..];
+        match self {
+            Self::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            Self::Bf16 => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+            Self::F16 => half::f16::from_le_bytes([b[0], b[1]]).to_f32(),
         }
     }
 }
@@ -475,7 +537,7 @@ mod tests {
     }
 
     #[test]
-    fn every_row_order_is_a_permutation_and_scatter_inverts_gather() {
+    fn every_row_order_is_a_permutation_and_import_inverts_export() {
         for (heads, d) in [(1, 2), (2, 4), (4, 8), (6, 4), (8, 16)] {
             for paired in [false, true] {
                 if paired && heads % 2 == 1 {
@@ -486,10 +548,26 @@ mod tests {
                     let mut sorted = rows.clone();
                     sorted.sort_unstable();
                     assert_eq!(sorted, (0..heads * d).collect::<Vec<_>>());
-                    let cols = 3;
-                    let x: Vec<f32> = (0..heads * d * cols).map(|v| v as f32).collect();
-                    let round = scatter_rows(&gather_rows(&x, &rows, cols), &rows, cols);
-                    assert_eq!(round, x);
+                    // Ours in PyTorch layout [out, in], exported, then read back element by
+                    // element into Burn's [in, out].
+                    let (out, cols) = (heads * d, 3);
+                    let ours: Vec<f32> = (0..out * cols).map(|v| v as f32).collect();
+                    let theirs = scatter_rows(&ours, &rows, cols);
+                    let entry = Entry {
+                        ours: "w".into(),
+                        hf: None,
+                        shape: vec![out, cols],
+                        rows: None,
+                        linear: true,
+                    };
+                    let burn: Vec<f32> = (0..out * cols)
+                        .map(|i| theirs[source_index(&entry, Some(&rows), i)])
+                        .collect();
+                    for r in 0..out {
+                        for c in 0..cols {
+                            assert_eq!(burn[c * out + r], ours[r * cols + c]);
+                        }
+                    }
                 }
             }
         }
@@ -529,7 +607,7 @@ mod tests {
             let config = ModelConfig::new(kind, 24, 2, 4, 40, 16)
                 .with_kv_heads(Some(2))
                 .with_ffn_dim(Some(20));
-            let names = burn_names(&config);
+            let names = burn_names(&config).unwrap();
             let model = config.init(&device);
             let burn: HashMap<String, Vec<usize>> = model
                 .collect(None, None, false)
@@ -539,20 +617,9 @@ mod tests {
             let entries = entries(&config);
             assert_eq!(entries.len(), burn.len(), "{kind}");
             for e in entries {
-                let mut shape = e.shape.clone();
-                if e.linear {
-                    shape.reverse();
-                }
-                assert_eq!(burn[&names[&e.ours]], shape, "{kind}: {}", e.ours);
+                assert_eq!(burn[&names[&e.ours]], e.burn_shape(), "{kind}: {}", e.ours);
             }
         }
-    }
-
-    #[test]
-    fn transpose_moves_rows_to_columns() {
-        let x = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
-        assert_eq!(transpose(&x, 2, 3), vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
-        assert_eq!(transpose(&transpose(&x, 2, 3), 3, 2), x.to_vec());
     }
 
     #[test]
