@@ -3,8 +3,9 @@
 //! `generate`, every `eval`, `compare`, `export` and `training.init_from` accept.
 //!
 //! The safetensors files are memory-mapped and each tensor is converted (rows permuted, see
-//! [`super`]) when the writer of the run's `model.safetensors` and `model.bpk` reaches it: the
-//! model is never built, so memory holds one tensor and a checkpoint larger than memory imports.
+//! [`super`]) when the writer of the run's `model.safetensors` reaches it; `model.bpk` is then
+//! copied from that file. The model is never built, so memory holds a few tensors and a
+//! checkpoint larger than memory imports.
 //! The run is written under a temporary name and renamed at the end: an error leaves nothing at
 //! `--out`.
 
@@ -86,7 +87,7 @@ fn import(dir: &Path, out: &Path, staging: &Path, dtype: Dtype) -> Result<(HfCon
     model_config
         .validate()
         .map_err(|e| anyhow!("{}: {e}", config_path.display()))?;
-    let checkpoint = Arc::new(Checkpoint::open(dir)?);
+    let checkpoint = Checkpoint::open(dir)?;
     let tensors = checkpoint.plan(&entries(&model_config))?;
     let names = super::burn_names(&model_config)?;
 
@@ -125,7 +126,7 @@ fn import(dir: &Path, out: &Path, staging: &Path, dtype: Dtype) -> Result<(HfCon
         &staging.join(NOTE),
         serde_json::to_string_pretty(&note)? + "\n",
     )?;
-    write_model(staging, &tensors, &names, dtype)?;
+    write_model(staging, &checkpoint, &tensors, &names, dtype)?;
     Ok((hf, tokenizer.is_some()))
 }
 
@@ -299,7 +300,7 @@ impl Checkpoint {
 
     /// Checks every tensor the model needs (present, of its shape, of a float format we can
     /// hold) and that the checkpoint holds nothing else; returns what converts each one.
-    fn plan(self: &Arc<Self>, entries: &[Entry]) -> Result<Vec<Planned>> {
+    fn plan(&self, entries: &[Entry]) -> Result<Vec<Planned>> {
         let mut unused: BTreeSet<&str> = self
             .index
             .keys()
@@ -309,19 +310,17 @@ impl Checkpoint {
             .collect();
         let mut planned = Vec::with_capacity(entries.len());
         for entry in entries {
-            let source = match &entry.hf {
+            let format = match &entry.hf {
                 // DIFF V1's subln: transformers' per-head RMSNorm has no weight.
                 None => None,
                 Some(hf) => {
-                    let format = self.check(hf, &entry.shape)?;
                     unused.remove(hf.as_str());
-                    Some((hf.clone(), format))
+                    Some(self.check(hf, &entry.shape)?)
                 }
             };
             planned.push(Planned {
-                checkpoint: Arc::clone(self),
                 entry: entry.clone(),
-                source,
+                format,
             });
         }
         // A tied checkpoint may store the head anyway; transformers ties it to the embedding.
@@ -351,7 +350,7 @@ impl Checkpoint {
     }
 
     /// Drops a read tensor's pages from this process's memory (the kernel reads them again
-    /// from the file if they are touched again), so that resident memory stays one tensor.
+    /// from the file if they are touched again), so that mapped files do not stay resident.
     fn release(&self, stored: &Stored) {
         // SAFETY: the map is a read-only mapping of a file: MADV_DONTNEED discards the pages'
         // copies, and any later read faults them in from the file with the same contents.
@@ -398,52 +397,50 @@ impl Checkpoint {
     }
 }
 
-/// One tensor of the run and where its values come from.
-#[derive(Clone)]
+/// One tensor of the run: its entry and the format transformers stored it in (`None` for DIFF
+/// V1's subln, which is ones).
 struct Planned {
-    checkpoint: Arc<Checkpoint>,
     entry: Entry,
-    /// The transformers tensor and its format; `None` for DIFF V1's subln (ones).
-    source: Option<(String, FloatFormat)>,
+    format: Option<FloatFormat>,
 }
 
 impl Planned {
     /// Our tensor in Burn's layout, as `dtype` bytes: read one element at a time from the map
     /// (rows in our order, linear layers transposed), so that memory holds only the result.
-    fn bytes(&self, dtype: Dtype) -> Vec<u8> {
+    fn bytes(&self, checkpoint: &Checkpoint, dtype: Dtype) -> Vec<u8> {
         let numel: usize = self.entry.shape.iter().product();
         let mut out = Vec::with_capacity(self.entry.bytes(dtype));
-        let Some((name, format)) = &self.source else {
+        let (Some(name), Some(format)) = (&self.entry.hf, self.format) else {
             (0..numel).for_each(|_| dtype.push(1.0, &mut out));
             return out;
         };
-        let stored = &self.checkpoint.index[name];
-        let source = self.checkpoint.bytes(stored);
+        let stored = &checkpoint.index[name];
+        let source = checkpoint.bytes(stored);
         let order = self.entry.rows.map(Rows::order);
         for i in 0..numel {
             let at = super::source_index(&self.entry, order.as_deref(), i);
             dtype.push(format.get(source, at), &mut out);
         }
-        self.checkpoint.release(stored);
+        checkpoint.release(stored);
         out
     }
 }
 
-/// Writes the run's `model.safetensors`, then `model.bpk` (Burn's record, what `load_model`
-/// reads), under Burn's names, converting one tensor at a time.
+/// Writes the run's `model.safetensors` under Burn's names, converting one tensor at a time,
+/// then `model.bpk` (Burn's record, what `load_model` reads) by copying each tensor from it.
 fn write_model(
     dir: &Path,
+    checkpoint: &Checkpoint,
     tensors: &[Planned],
     names: &HashMap<String, String>,
     dtype: Dtype,
 ) -> Result<()> {
-    let name = |t: &Planned| names[&t.entry.ours].clone();
     let pending: Vec<Pending> = tensors
         .iter()
         .map(|t| Pending {
-            name: name(t),
+            name: names[&t.entry.ours].clone(),
             shape: t.entry.burn_shape(),
-            bytes: Box::new(move || Ok(t.bytes(dtype))),
+            bytes: Box::new(move || Ok(t.bytes(checkpoint, dtype))),
         })
         .collect();
     let metadata = serde_json::json!({
@@ -452,17 +449,25 @@ fn write_model(
         "version": env!("CARGO_PKG_VERSION"),
     });
     write_safetensors(&dir.join(run::FINAL_SAFETENSORS), &pending, dtype, metadata)?;
-    let records: Vec<burn_pack::Tensor> = tensors
-        .iter()
-        .map(|t| {
-            let planned = t.clone();
+    // The run's model.safetensors is itself a one-file checkpoint (`WEIGHTS` is its name).
+    let written = Arc::new(Checkpoint::open(dir)?);
+    let records: Vec<burn_pack::Tensor> = pending
+        .into_iter()
+        .map(|p| {
+            let written = Arc::clone(&written);
+            let len = written.index[&p.name].len;
             burn_pack::Tensor::deferred(
-                name(t),
+                p.name.clone(),
                 dtype.pack(),
-                t.entry.burn_shape(),
+                p.shape,
                 Some(ParamId::new().val()),
-                t.entry.bytes(dtype),
-                move || Ok(Bytes::from_bytes_vec(planned.bytes(dtype))),
+                len,
+                move || {
+                    let stored = &written.index[&p.name];
+                    let bytes = written.bytes(stored).to_vec();
+                    written.release(stored);
+                    Ok(Bytes::from_bytes_vec(bytes))
+                },
             )
         })
         .collect();

@@ -463,14 +463,18 @@ impl Dtype {
 
     /// Little-endian bytes of `x` in this format (bf16 rounds to nearest even).
     pub fn bytes(self, x: &[f32]) -> Vec<u8> {
-        match self {
-            Self::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            Self::Bf16 => x
-                .iter()
-                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
-                .collect(),
-        }
+        let mut out = Vec::with_capacity(x.len() * self.size());
+        x.iter().for_each(|&v| self.push(v, &mut out));
+        out
     }
+}
+
+/// Stored float formats that convert to f32 exactly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatFormat {
+    F32,
+    Bf16,
+    F16,
 }
 
 impl FloatFormat {
@@ -495,28 +499,9 @@ impl FloatFormat {
 
 /// Decodes little-endian floats of a format that converts to f32 exactly.
 pub fn decode_floats(bytes: &[u8], format: FloatFormat) -> Vec<f32> {
-    match format {
-        FloatFormat::F32 => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        FloatFormat::Bf16 => bytes
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        FloatFormat::F16 => bytes
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-    }
-}
-
-/// Stored float formats that convert to f32 exactly.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FloatFormat {
-    F32,
-    Bf16,
-    F16,
+    (0..bytes.len() / format.size())
+        .map(|i| format.get(bytes, i))
+        .collect()
 }
 
 #[cfg(test)]
