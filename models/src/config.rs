@@ -55,6 +55,25 @@ impl FromStr for AttentionKind {
     }
 }
 
+/// How attention is computed. All give the same outputs (to rounding); they differ in speed and
+/// memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(crate = "burn::serde", rename_all = "kebab-case")]
+pub enum AttentionImpl {
+    /// Matmul and softmax: the S×S maps are materialised, and autodiff keeps them for the
+    /// backward pass (memory grows with S²).
+    Explicit,
+    /// `burn::tensor::module::attention` (a fused kernel where the backend has one). Under
+    /// autodiff Burn 0.22.1 decomposes it into the explicit path, so it only helps inference.
+    Fused,
+    /// FlashAttention-2's blocks with their own backward ([`crate::attention::flash`]): memory
+    /// grows with S, in training too. `block` positions per query and key block.
+    Flash { block: usize },
+}
+
+/// Positions per query and key block of [`AttentionImpl::Flash`] unless a recipe says otherwise.
+pub const DEFAULT_ATTENTION_BLOCK: usize = 128;
+
 /// Decoder-only language model configuration.
 #[derive(Config, Debug, PartialEq)]
 pub struct ModelConfig {
@@ -92,11 +111,9 @@ pub struct ModelConfig {
     /// official DIFF code does. `Some(σ)`: N(0, σ²) for every linear layer (GPT-2 style).
     #[config(default = "None")]
     pub linear_std: Option<f64>,
-    /// Run attention through `burn::tensor::module::attention` (Burn's fused kernel where the
-    /// backend has one) instead of the explicit matmul/softmax path. Same outputs either way;
-    /// under autodiff Burn 0.22.1 decomposes the fused op, so this only speeds up inference.
-    #[config(default = false)]
-    pub fused_attention: bool,
+    /// How attention is computed (same outputs, different speed and memory).
+    #[config(default = "AttentionImpl::Explicit")]
+    pub attention_impl: AttentionImpl,
 }
 
 impl ModelConfig {
@@ -173,6 +190,9 @@ impl ModelConfig {
                 self.heads,
                 self.kv_heads()
             ));
+        }
+        if self.attention_impl == (AttentionImpl::Flash { block: 0 }) {
+            return Err("the attention block size must be positive".into());
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return Err(format!(

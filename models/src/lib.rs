@@ -7,6 +7,7 @@
 //! |---|---|
 //! | decoder, pre-norm blocks, RMSNorm, RoPE | [`model`] |
 //! | SwiGLU | [`feed_forward`] |
+//! | memory-efficient attention (FlashAttention-2, custom backward) | [`attention::flash`] |
 //! | baseline attention | [`attention::TransformerAttention`] |
 //! | DIFF V1, eq. 1–3, λ, λ_init, subln | [`attention::DiffAttention`] |
 //! | DIFF V2 | [`attention::DiffV2Attention`] |
@@ -28,5 +29,5 @@ pub mod model;
 pub use analysis::{AbsAccumulator, AbsStats, Allocation, LayerStats, allocation};
 pub use attention::{Attention, AttentionProbe};
 pub use budget::{FlopsPerToken, ParamCount};
-pub use config::{AttentionKind, ModelConfig, lambda_init};
+pub use config::{AttentionImpl, AttentionKind, DEFAULT_ATTENTION_BLOCK, ModelConfig, lambda_init};
 pub use model::{Block, LayerProbe, Model, ModelProbe};

@@ -9,7 +9,7 @@
 //! No biases, no dropout; RoPE (adjacent pairs, GPT-J layout) on every query and key head.
 
 use crate::attention::{Attention, AttentionProbe, projection};
-use crate::config::ModelConfig;
+use crate::config::{AttentionImpl, ModelConfig};
 use crate::feed_forward::SwiGlu;
 use burn::module::Module;
 use burn::nn::{
@@ -150,6 +150,15 @@ impl Model {
     pub fn with_logit_bits(mut self, bits: u32) -> Self {
         for block in &mut self.blocks {
             block.attn.set_logit_bits(bits);
+        }
+        self
+    }
+
+    /// The same weights with every layer's attention computed by `implementation` (a loaded
+    /// checkpoint keeps no implementation: this picks one for the run at hand).
+    pub fn with_attention_impl(mut self, implementation: AttentionImpl) -> Self {
+        for block in &mut self.blocks {
+            block.attn.set_implementation(implementation);
         }
         self
     }

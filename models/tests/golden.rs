@@ -1,15 +1,17 @@
 //! Golden numerics against the PyTorch reference (`tests/reference/reference.py`): logits,
 //! one block's attention output, the loss and the gradients of the λ parameters, for the three
-//! variants under MHA and GQA, through both the explicit and the fused attention path, on every
-//! backend compiled in.
+//! variants under MHA and GQA — logits through every attention implementation (explicit, fused,
+//! flash with blocks that do and do not divide the sequence), the loss and gradients through the
+//! explicit path and flash with a partial last block, the block output through the explicit path —
+//! on every backend compiled in.
 
 mod common;
 
 use burn::module::Param;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::{Device, Tensor};
-use common::{CASES, Io, assert_close, backends, case_config, load_model, tolerance};
-use diffzoo_models::Attention;
+use common::{CASES, IMPLS, Io, assert_close, backends, case_config, load_model, tolerance};
+use diffzoo_models::{Attention, AttentionImpl};
 
 #[test]
 fn logits_match_the_reference() {
@@ -22,13 +24,13 @@ fn logits_on(backend: &str, device: &Device) {
     let (device, atol) = (device.clone(), tolerance(backend));
     for (case, attention, d_model, heads, kv_heads) in CASES {
         let io = Io::load(case);
-        for fused in [false, true] {
-            let config =
-                case_config(attention, d_model, heads, kv_heads).with_fused_attention(fused);
+        for implementation in IMPLS {
+            let config = case_config(attention, d_model, heads, kv_heads)
+                .with_attention_impl(implementation);
             let model = load_model(case, &config, &device);
             let logits = model.forward(io.int::<2>("tokens", &device));
             assert_close(
-                &format!("{backend}: {case} logits (fused {fused})"),
+                &format!("{backend}: {case} logits ({implementation:?})"),
                 logits,
                 io.float::<3>("logits", &device),
                 atol,
@@ -83,10 +85,20 @@ fn loss_and_lambda_gradients_match_the_reference() {
 }
 
 fn gradients_on(backend: &str, device: &Device) {
+    // Fused decomposes into the explicit path under autodiff; flash once, with a partial block.
+    let implementations = [AttentionImpl::Explicit, AttentionImpl::Flash { block: 5 }];
+    for implementation in implementations {
+        gradients_through(backend, device, implementation);
+    }
+}
+
+fn gradients_through(backend: &str, device: &Device, implementation: AttentionImpl) {
     let (device, atol) = (device.clone().autodiff(), tolerance(backend));
     for (case, attention, d_model, heads, kv_heads) in CASES {
         let io = Io::load(case);
-        let config = case_config(attention, d_model, heads, kv_heads);
+        let config =
+            case_config(attention, d_model, heads, kv_heads).with_attention_impl(implementation);
+        let label = format!("{case} ({implementation:?})");
         let model = load_model(case, &config, &device);
         let logits = model.forward(io.int::<2>("tokens", &device));
         let [b, s, v] = logits.dims();
@@ -95,7 +107,7 @@ fn gradients_on(backend: &str, device: &Device) {
             io.int::<2>("targets", &device).reshape([b * s]),
         );
         assert_close(
-            &format!("{backend}: {case} loss"),
+            &format!("{backend}: {label} loss"),
             loss.clone(),
             io.float::<1>("loss", &device),
             atol,
@@ -112,7 +124,7 @@ fn gradients_on(backend: &str, device: &Device) {
                     _ => io.float::<2>(&key, &device),
                 };
                 assert_close(
-                    &format!("{backend}: {case} {prefix}{name}"),
+                    &format!("{backend}: {label} {prefix}{name}"),
                     grad,
                     expected,
                     atol,
@@ -155,7 +167,7 @@ fn gradients_on(backend: &str, device: &Device) {
         let expected = io.names().iter().filter(|n| n.starts_with("grad.")).count();
         assert_eq!(
             checked, expected,
-            "{case}: every reference gradient is compared"
+            "{label}: every reference gradient is compared"
         );
     }
 }

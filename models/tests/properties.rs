@@ -5,7 +5,7 @@ mod common;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Device, Gradients, Tensor};
-use common::{max_abs_diff, tokens};
+use common::{IMPLS, max_abs_diff, tokens};
 use diffzoo_models::{Attention, AttentionKind, ModelConfig, lambda_init};
 
 fn device() -> Device {
@@ -24,10 +24,10 @@ fn future_tokens_never_change_past_outputs() {
     let device = device();
     for attention in AttentionKind::ALL {
         for (heads, kv_heads) in SHAPES {
-            for fused in [false, true] {
+            for implementation in IMPLS {
                 device.seed(7);
                 let model = config(attention, heads, kv_heads)
-                    .with_fused_attention(fused)
+                    .with_attention_impl(implementation)
                     .init(&device);
                 let seq = 16;
                 let base = tokens(2, seq, 61, 1, &device);
@@ -38,7 +38,8 @@ fn future_tokens_never_change_past_outputs() {
                     let other = model.forward(perturbed);
                     let past = |x: &Tensor<3>| x.clone().narrow(1, 0, t + 1);
                     let future = |x: &Tensor<3>| x.clone().narrow(1, t + 1, seq - t - 1);
-                    let what = format!("{attention} H={heads} H_kv={kv_heads} fused={fused} t={t}");
+                    let what =
+                        format!("{attention} H={heads} H_kv={kv_heads} {implementation:?} t={t}");
                     assert!(
                         max_abs_diff(past(&logits), past(&other)) <= 1e-6,
                         "{what}: past changed"

@@ -16,14 +16,15 @@
 //!
 //! The explicit path computes both maps with one batched matmul over the 2H' half-heads (no copy
 //! of Q or K; the `[B, 2H', S, S]` maps are then viewed as pairs) and applies `A₁ − λ·A₂` to V
-//! once; the fused path calls Burn's attention twice with V of width 2d and subtracts the outputs
-//! (same result by linearity).
+//! once; the fused and flash paths run one standard attention over the 2H' half-heads with V
+//! (width 2d) read by both halves of its head, and subtract the outputs: `A₁V − λ·A₂V` (same
+//! result by linearity; the gradients of the maps and of λ are in [`super::flash`]).
 
 use super::{
-    AttentionProbe, causal_logits, fused_causal_attention, merge_heads, projection, repeat_kv,
+    AttentionProbe, causal_attention, causal_logits, merge_heads, projection, repeat_kv,
     rotary_heads, split_heads,
 };
-use crate::config::{ModelConfig, lambda_init};
+use crate::config::{AttentionImpl, ModelConfig, lambda_init};
 use burn::module::{Module, Param};
 use burn::nn::{Initializer, Linear, RmsNorm, RmsNormConfig, RotaryEncoding};
 use burn::tensor::activation::softmax;
@@ -50,7 +51,8 @@ pub struct DiffAttention {
     pub heads: usize,
     /// H'_kv.
     pub kv_heads: usize,
-    pub fused: bool,
+    #[module(skip)]
+    pub implementation: AttentionImpl,
     /// Quantise attention logits to this many bits (0: off; analysis only).
     pub logit_bits: u32,
 }
@@ -82,7 +84,7 @@ impl DiffAttention {
             lambda_init: lambda_init(depth),
             heads,
             kv_heads,
-            fused: config.fused_attention,
+            implementation: config.attention_impl,
             logit_bits: 0,
         }
     }
@@ -136,14 +138,14 @@ impl DiffAttention {
         let dtype = x.dtype();
         let [q, k, v] = self.qkv(x, rope);
         let lambda = self.lambda_as(dtype);
-        let heads = if self.fused && self.logit_bits == 0 {
-            let ([q1, q2], [k1, k2]) = (halves(q), halves(k));
-            let a1v = fused_causal_attention(q1, k1, v.clone());
-            let a2v = fused_causal_attention(q2, k2, v);
-            a1v - a2v * lambda
-        } else {
+        let heads = if self.implementation == AttentionImpl::Explicit || self.logit_bits > 0 {
             let [a1, a2] = halves(softmax(causal_logits(q, k, self.logit_bits), 3));
             (a1 - a2 * lambda).matmul(v)
+        } else {
+            // Half-heads 2h and 2h+1 both read head h's values.
+            let o = causal_attention(q, k, repeat_kv(v, 2), self.implementation, 0);
+            let [a1v, a2v] = halves(o);
+            a1v - a2v * lambda
         };
         self.output(heads)
     }

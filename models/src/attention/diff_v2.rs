@@ -16,10 +16,10 @@
 //! heads and W_λ).
 
 use super::{
-    AttentionProbe, causal_logits, causal_softmax, fused_causal_attention, merge_heads, projection,
-    repeat_kv, rotary_heads, split_heads,
+    AttentionProbe, causal_attention, causal_logits, merge_heads, projection, repeat_kv,
+    rotary_heads, split_heads,
 };
-use crate::config::ModelConfig;
+use crate::config::{AttentionImpl, ModelConfig};
 use burn::module::Module;
 use burn::nn::{Linear, RotaryEncoding};
 use burn::tensor::activation::{sigmoid, softmax};
@@ -41,7 +41,8 @@ pub struct DiffV2Attention {
     pub heads: usize,
     /// H_kv.
     pub kv_heads: usize,
-    pub fused: bool,
+    #[module(skip)]
+    pub implementation: AttentionImpl,
     /// Quantise attention logits to this many bits (0: off; analysis only).
     pub logit_bits: u32,
 }
@@ -58,7 +59,7 @@ impl DiffV2Attention {
             lambda_proj: projection(config, d_model, heads, device),
             heads,
             kv_heads,
-            fused: config.fused_attention,
+            implementation: config.attention_impl,
             logit_bits: 0,
         }
     }
@@ -94,11 +95,7 @@ impl DiffV2Attention {
     pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
         let lambda = self.lambda(x.clone());
         let [q, k, v] = self.qkv(x, rope);
-        let o = if self.fused && self.logit_bits == 0 {
-            fused_causal_attention(q, k, v)
-        } else {
-            causal_softmax(q, k, self.logit_bits).matmul(v)
-        };
+        let o = causal_attention(q, k, v, self.implementation, self.logit_bits);
         self.o_proj
             .forward(merge_heads(self.differentiate(o, lambda)))
     }

@@ -6,13 +6,14 @@
 
 mod diff;
 mod diff_v2;
+pub mod flash;
 mod transformer;
 
 pub use diff::DiffAttention;
 pub use diff_v2::DiffV2Attention;
 pub use transformer::TransformerAttention;
 
-use crate::config::{AttentionKind, ModelConfig};
+use crate::config::{AttentionImpl, AttentionKind, ModelConfig};
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, RotaryEncoding};
 use burn::tensor::activation::softmax;
@@ -88,6 +89,15 @@ impl Attention {
             Self::Transformer(a) => a.logit_bits = bits,
             Self::Diff(a) => a.logit_bits = bits,
             Self::DiffV2(a) => a.logit_bits = bits,
+        }
+    }
+
+    /// Computes this layer's attention by `implementation` from now on.
+    pub fn set_implementation(&mut self, implementation: AttentionImpl) {
+        match self {
+            Self::Transformer(a) => a.implementation = implementation,
+            Self::Diff(a) => a.implementation = implementation,
+            Self::DiffV2(a) => a.implementation = implementation,
         }
     }
 
@@ -211,12 +221,26 @@ pub(crate) fn causal_softmax<const D: usize>(q: Tensor<D>, k: Tensor<D>, bits: u
     softmax(causal_logits(q, k, bits), D - 1)
 }
 
-/// `softmax(q·kᵀ/√d)·v` through Burn's attention op (a fused kernel where the backend has one;
-/// the default scale is 1/√d). `q`, `k`: `[B, H, S, d]`, `v`: `[B, H, S, d_v]`.
-pub(crate) fn fused_causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
-    let options = AttentionModuleOptions {
-        is_causal: true,
-        ..Default::default()
-    };
-    attention(q, k, v, None, None, options)
+/// `softmax(q·kᵀ/√d + causal mask)·v` by the configured implementation; quantised logits
+/// (`bits > 0`) always take the explicit path. `q`, `k`: `[B, H, S, d]`, `v`: `[B, H, S, d_v]`.
+pub(crate) fn causal_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    implementation: AttentionImpl,
+    bits: u32,
+) -> Tensor<4> {
+    match implementation {
+        _ if bits > 0 => causal_softmax(q, k, bits).matmul(v),
+        AttentionImpl::Explicit => causal_softmax(q, k, 0).matmul(v),
+        AttentionImpl::Fused => {
+            // Burn's attention op; its default scale is 1/√d.
+            let options = AttentionModuleOptions {
+                is_causal: true,
+                ..Default::default()
+            };
+            attention(q, k, v, None, None, options)
+        }
+        AttentionImpl::Flash { block } => flash::flash_causal_attention(q, k, v, block),
+    }
 }

@@ -9,10 +9,10 @@
 //! ```
 
 use super::{
-    AttentionProbe, causal_logits, causal_softmax, fused_causal_attention, merge_heads, projection,
-    repeat_kv, rotary_heads, split_heads,
+    AttentionProbe, causal_attention, causal_logits, merge_heads, projection, repeat_kv,
+    rotary_heads, split_heads,
 };
-use crate::config::ModelConfig;
+use crate::config::{AttentionImpl, ModelConfig};
 use burn::module::Module;
 use burn::nn::{Linear, RotaryEncoding};
 use burn::tensor::activation::softmax;
@@ -28,7 +28,8 @@ pub struct TransformerAttention {
     pub heads: usize,
     /// H_kv.
     pub kv_heads: usize,
-    pub fused: bool,
+    #[module(skip)]
+    pub implementation: AttentionImpl,
     /// Quantise attention logits to this many bits (0: off; analysis only).
     pub logit_bits: u32,
 }
@@ -44,7 +45,7 @@ impl TransformerAttention {
             o_proj: projection(config, heads * d, d_model, device),
             heads,
             kv_heads,
-            fused: config.fused_attention,
+            implementation: config.attention_impl,
             logit_bits: 0,
         }
     }
@@ -60,11 +61,7 @@ impl TransformerAttention {
 
     pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
         let [q, k, v] = self.qkv(x, rope);
-        let heads = if self.fused && self.logit_bits == 0 {
-            fused_causal_attention(q, k, v)
-        } else {
-            causal_softmax(q, k, self.logit_bits).matmul(v)
-        };
+        let heads = causal_attention(q, k, v, self.implementation, self.logit_bits);
         self.o_proj.forward(merge_heads(heads))
     }
 

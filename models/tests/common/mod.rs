@@ -4,7 +4,7 @@
 
 use burn::store::{ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use diffzoo_models::{AttentionKind, Model, ModelConfig};
+use diffzoo_models::{AttentionImpl, AttentionKind, Model, ModelConfig};
 use safetensors::{Dtype, SafeTensors};
 use std::path::PathBuf;
 
@@ -77,6 +77,15 @@ pub fn case_config(
 ) -> ModelConfig {
     ModelConfig::new(attention, d_model, 2, heads, 48, 64).with_kv_heads(Some(kv_heads))
 }
+
+/// Every attention implementation, flash with blocks that do (4) and do not (5) divide the
+/// reference cases' 12 positions.
+pub const IMPLS: [AttentionImpl; 4] = [
+    AttentionImpl::Explicit,
+    AttentionImpl::Fused,
+    AttentionImpl::Flash { block: 4 },
+    AttentionImpl::Flash { block: 5 },
+];
 
 /// Builds the model of a case and loads its reference weights, checking that every parameter
 /// was loaded and every stored tensor used.
