@@ -26,7 +26,7 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use clap::Args;
 use diffzoo_datasets::{LmBatcher, Rng};
-use diffzoo_models::{AttentionKind, ModelConfig};
+use diffzoo_models::{AttentionImpl, AttentionKind, DEFAULT_ATTENTION_BLOCK, ModelConfig};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -70,10 +70,14 @@ pub struct BenchArgs {
     /// Timed repetitions; the median is reported.
     #[arg(long, default_value_t = 5)]
     pub reps: usize,
-    /// Forward passes through Burn's fused attention op (training steps fall back to matmul +
-    /// softmax under autodiff either way).
-    #[arg(long)]
-    pub fused_attention: bool,
+    /// How attention is computed: `explicit` (matmul + softmax maps), `fused` (Burn's attention
+    /// op; training steps fall back to the explicit maps under autodiff) or `flash` (blocks of
+    /// --attention-block with their own backward: memory grows with S, not S²).
+    #[arg(long, default_value = "explicit", value_parser = ["explicit", "fused", "flash"])]
+    pub attention_impl: String,
+    /// Positions per query and key block of `--attention-impl flash`.
+    #[arg(long, default_value_t = DEFAULT_ATTENTION_BLOCK)]
+    pub attention_block: usize,
     /// A GPU (h100, h200, a100) whose dense bf16 peak turns training FLOP/s into MFU.
     #[arg(long)]
     pub gpu: Option<String>,
@@ -97,6 +101,19 @@ pub struct BenchArgs {
     /// Measure one device and variant and print its JSON (how the parent runs each).
     #[arg(long, hide = true)]
     pub child: bool,
+}
+
+impl BenchArgs {
+    /// `--attention-impl` with its block size.
+    fn implementation(&self) -> AttentionImpl {
+        match self.attention_impl.as_str() {
+            "fused" => AttentionImpl::Fused,
+            "flash" => AttentionImpl::Flash {
+                block: self.attention_block,
+            },
+            _ => AttentionImpl::Explicit,
+        }
+    }
 }
 
 /// The model shape a bench measures, for every variant.
@@ -145,7 +162,12 @@ impl Shape {
     }
 
     /// The configuration of `attention` at this shape, for sequences of `seq` tokens.
-    pub fn config(&self, attention: AttentionKind, seq: usize, fused: bool) -> Result<ModelConfig> {
+    pub fn config(
+        &self,
+        attention: AttentionKind,
+        seq: usize,
+        implementation: AttentionImpl,
+    ) -> Result<ModelConfig> {
         let config = ModelConfig::new(
             attention,
             self.d_model,
@@ -157,7 +179,7 @@ impl Shape {
         .with_kv_heads(self.kv_heads)
         .with_ffn_dim(self.ffn_dim)
         .with_tie_embeddings(self.tie_embeddings)
-        .with_fused_attention(fused);
+        .with_attention_impl(implementation);
         config
             .validate()
             .map_err(|e| anyhow!("the {attention} model of this size is invalid: {e}"))?;
@@ -237,6 +259,29 @@ fn timed(warmup: usize, reps: usize, mut f: impl FnMut() -> Result<()>) -> Resul
     Ok(median(&mut times))
 }
 
+/// The CPU's model and the widest x86 vector extension it has (from `/proc/cpuinfo`): Flex's
+/// speed relative to PyTorch depends on both.
+pub fn cpu() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+    };
+    let model = field("model name").unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let flags = field("flags").unwrap_or_default();
+    let has = |flag: &str| flags.split_whitespace().any(|f| f == flag);
+    let isa = ["avx512f", "avx2", "avx", "sse4_2"]
+        .into_iter()
+        .find(|f| has(f))
+        .map(|f| f.replace("avx512f", "avx512").replace('_', "."));
+    match isa {
+        Some(isa) => format!("{model} ({isa})"),
+        None => model,
+    }
+}
+
 /// A field of `/proc/self/status` in bytes (`None` off Linux).
 fn proc_status_bytes(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -313,7 +358,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     let shape = Shape::parse(&args.size, args.vocab, args.kv_heads)?;
     for &attention in &args.attention {
-        shape.config(attention, args.seq, args.fused_attention)?;
+        shape.config(attention, args.seq, args.implementation())?;
     }
     if args.child {
         return child(args, &shape);
@@ -355,7 +400,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             let run = run_torch(args, &shape, &device)?;
             for theirs in &run.results {
                 let kind: AttentionKind = theirs.attention.parse().map_err(|e| anyhow!("{e}"))?;
-                let ours = shape.config(kind, args.seq, false)?.param_count().total;
+                let ours = shape
+                    .config(kind, args.seq, AttentionImpl::Explicit)?
+                    .param_count()
+                    .total;
                 if theirs.params != ours {
                     bail!(
                         "PyTorch's {kind} model has {} parameters, ours {ours}: not the same model",
@@ -375,12 +423,17 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     let flops = |attention: &str| {
         let kind: AttentionKind = attention.parse().expect("a measured variant");
-        let config = shape.config(kind, args.seq, false).expect("validated");
+        let config = shape
+            .config(kind, args.seq, AttentionImpl::Explicit)
+            .expect("validated");
         config.flops_per_token(args.seq).training
     };
     let rows = rows(&measured, &torch, flops, peak_flops);
     let report = serde_json::json!({
             "shape": shape,
+            "cpu": cpu(),
+            "attention_impl": args.attention_impl,
+            "attention_block": args.attention_block,
             "seq": args.seq,
             "batch": args.batch,
             "dtype": args.dtype,
@@ -431,6 +484,7 @@ fn print_table(args: &BenchArgs, shape: &Shape, torch: &[(String, TorchRun)], ro
             " · allocator not tuned"
         },
     );
+    println!("{} · {} attention", cpu(), args.attention_impl);
     for (_, run) in torch {
         println!(
             "PyTorch {} on {} ({} attention, {} threads)",
@@ -505,9 +559,8 @@ fn spawn_child(args: &BenchArgs, spec: &str, attention: AttentionKind) -> Result
     if let Some(kv) = args.kv_heads {
         command.args(["--kv-heads", &kv.to_string()]);
     }
-    if args.fused_attention {
-        command.arg("--fused-attention");
-    }
+    command.args(["--attention-impl", &args.attention_impl]);
+    command.args(["--attention-block", &args.attention_block.to_string()]);
     let threads = threads().to_string();
     command.env("RAYON_NUM_THREADS", &threads);
     command.env("OMP_NUM_THREADS", &threads);
@@ -530,7 +583,7 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
         ([spec], [attention]) => (spec, *attention),
         _ => bail!("--child measures one device and one variant"),
     };
-    let config = shape.config(attention, args.seq, args.fused_attention)?;
+    let config = shape.config(attention, args.seq, args.implementation())?;
     let mut device = device::parse(spec)?;
     train::configure_dtype(&mut device, &args.dtype, spec, "--dtype")?;
     let base = proc_status_bytes("VmRSS:");
@@ -693,8 +746,14 @@ mod tests {
         assert!(format!("{err:#}").contains("--size `256x4`"), "{err:#}");
         // Three heads cannot be split into DIFF's pairs.
         let odd = Shape::parse("192x2x3", 100, None).unwrap();
-        assert!(odd.config(AttentionKind::Transformer, 64, false).is_ok());
-        assert!(odd.config(AttentionKind::Diff, 64, false).is_err());
+        assert!(
+            odd.config(AttentionKind::Transformer, 64, AttentionImpl::Explicit)
+                .is_ok()
+        );
+        assert!(
+            odd.config(AttentionKind::Diff, 64, AttentionImpl::Explicit)
+                .is_err()
+        );
     }
 
     #[test]

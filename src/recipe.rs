@@ -6,7 +6,7 @@
 //! directory; `--recipe PATH` reads a file.
 
 use anyhow::{Context, Result, anyhow, bail};
-use diffzoo_models::{AttentionKind, ModelConfig};
+use diffzoo_models::{AttentionImpl, AttentionKind, DEFAULT_ATTENTION_BLOCK, ModelConfig};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -57,6 +57,33 @@ pub struct ModelSection {
     pub embedding_std: f64,
     /// Unset: PyTorch's `nn.Linear` default for every linear layer; set: N(0, σ²).
     pub linear_std: Option<f64>,
+    /// How attention is computed in training: `"explicit"` (S×S maps kept for the backward
+    /// pass), `"flash"` (blocks with their own backward: memory grows with S) or `"auto"`.
+    #[serde(default)]
+    pub attention_impl: AttentionChoice,
+    /// Positions per query and key block of the flash path.
+    #[serde(default = "default_attention_block")]
+    pub attention_block: usize,
+}
+
+/// `model.attention_impl`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AttentionChoice {
+    /// Flash from [`FLASH_FROM_SEQ_LEN`] positions on, explicit below (see there).
+    #[default]
+    Auto,
+    Explicit,
+    Flash,
+}
+
+/// Where `attention_impl = "auto"` switches to the flash path. Measured with `diffzoo bench`
+/// (d 256 × 4 layers, batch 1, Flex, AMD EPYC 2 cores): the explicit path is faster at short
+/// sequences, flash from here on, and the explicit maps outgrow memory soon after.
+pub const FLASH_FROM_SEQ_LEN: usize = 1024;
+
+fn default_attention_block() -> usize {
+    DEFAULT_ATTENTION_BLOCK
 }
 
 fn default_rope_theta() -> f32 {
@@ -82,6 +109,20 @@ impl ModelSection {
         .with_norm_eps(m.norm_eps)
         .with_embedding_std(m.embedding_std)
         .with_linear_std(m.linear_std)
+        .with_attention_impl(m.attention_impl(seq_len))
+    }
+
+    /// The attention implementation for training sequences of `seq_len` positions.
+    pub fn attention_impl(&self, seq_len: usize) -> AttentionImpl {
+        let flash = AttentionImpl::Flash {
+            block: self.attention_block,
+        };
+        match self.attention_impl {
+            AttentionChoice::Explicit => AttentionImpl::Explicit,
+            AttentionChoice::Flash => flash,
+            AttentionChoice::Auto if seq_len >= FLASH_FROM_SEQ_LEN => flash,
+            AttentionChoice::Auto => AttentionImpl::Explicit,
+        }
     }
 }
 
@@ -272,6 +313,9 @@ impl Recipe {
 
     /// Consistency checks; each error names the keys involved.
     pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.model.attention_block == 0 {
+            return Err("`model.attention_block` must be positive".into());
+        }
         self.model_config()
             .validate()
             .map_err(|e| format!("model: {e}"))?;
@@ -641,60 +685,6 @@ pub fn list(json: bool) -> Result<()> {
             (_, _, Some(e)) => println!("{:<36} invalid: {e}", row.name),
             _ => {}
         }
-    }
-    Ok(())
-}
-
-/// `diffzoo recipe show`, with a plan when given (GPU, device count, MFU).
-pub fn show(
-    name: &str,
-    overrides: &[String],
-    plan: Option<(String, Option<usize>, f64)>,
-    json: bool,
-) -> Result<()> {
-    let resolved = resolve(name, overrides)?;
-    let derived = resolved.recipe.derived();
-    let plan = plan
-        .map(|(gpu, gpus, mfu)| {
-            crate::plan::Plan::new(&resolved.recipe, crate::plan::Gpu::parse(&gpu)?, gpus, mfu)
-        })
-        .transpose()?;
-    if json {
-        let out = serde_json::json!({
-            "name": resolved.name,
-            "source": resolved.source.to_string(),
-            "recipe": resolved.recipe,
-            "derived": derived,
-            "plan": plan,
-        });
-        println!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(());
-    }
-    println!(
-        "# {} ({})\n{}",
-        resolved.name,
-        resolved.source,
-        resolved.recipe.to_toml()
-    );
-    println!("# derived");
-    println!(
-        "# parameters: {} total, {} non-embedding, {} in the paper's convention",
-        derived.params_total, derived.params_non_embedding, derived.params_paper
-    );
-    println!(
-        "# {} steps × {} tokens = {} tokens; {} sequences per step in {} micro-batches",
-        derived.steps,
-        resolved.recipe.training.batch_tokens,
-        derived.tokens,
-        derived.batch_sequences,
-        derived.accumulation
-    );
-    println!(
-        "# training FLOPs: {:.3e} per token, {:.3e} for the run",
-        derived.training_flops_per_token, derived.training_flops
-    );
-    for line in plan.iter().flat_map(|p| p.lines()) {
-        println!("# {line}");
     }
     Ok(())
 }

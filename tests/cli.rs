@@ -236,6 +236,45 @@ fn every_variant_trains() {
 }
 
 #[test]
+fn flash_attention_trains_like_the_explicit_path() {
+    let tmp = tempfile::tempdir().unwrap();
+    for recipe in ["micro", "micro-transformer", "micro-diff-v2"] {
+        let losses = |implementation: &str| {
+            let run = tmp.path().join(format!("{recipe}-{implementation}"));
+            ok(&[
+                "train",
+                "--recipe",
+                recipe,
+                "--out",
+                path(&run),
+                "--set",
+                "training.steps=6",
+                "--set",
+                "training.log_every=1",
+                "--set",
+                &format!("model.attention_impl={implementation}"),
+                // 32 positions in blocks of 5: a partial last block.
+                "--set",
+                "model.attention_block=5",
+            ]);
+            let train = records(&run, "train");
+            assert_eq!(train.len(), 6, "{recipe} {implementation}");
+            train
+                .iter()
+                .map(|r| r["loss"].as_f64().unwrap())
+                .collect::<Vec<_>>()
+        };
+        let (explicit, flash) = (losses("explicit"), losses("flash"));
+        for (step, (a, b)) in explicit.iter().zip(&flash).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-4,
+                "{recipe} step {step}: explicit {a} vs flash {b}"
+            );
+        }
+    }
+}
+
+#[test]
 fn prepared_shards_train_a_model() {
     let tmp = tempfile::tempdir().unwrap();
     let input = tmp.path().join("texts");
@@ -353,7 +392,17 @@ fn recipes_list_and_show() {
 fn recipe_errors_name_the_key_and_the_file() {
     let tmp = tempfile::tempdir().unwrap();
     let base = std::fs::read_to_string(recipes_dir().join("micro.toml")).unwrap();
-    let cases: [(&str, &str, &str); 9] = [
+    let cases: [(&str, &str, &str); 11] = [
+        (
+            "impl",
+            "attention_impl = \"fast\"\n",
+            "`model.attention_impl`: unknown variant `fast`",
+        ),
+        (
+            "block",
+            "attention_block = 0\n",
+            "`model.attention_block` must be positive",
+        ),
         (
             "unknown",
             "laers = 2\n",
@@ -1049,6 +1098,22 @@ fn bench_measures_every_variant_and_compares_with_a_torch_harness() {
         .concat(),
     );
     assert!(err.contains("not the same model"), "{err}");
+
+    // The flash path measures the same models; the report names the CPU and the implementation.
+    let flash = json(
+        &[
+            &["bench", "--device", "flex", "--json"],
+            &shape[..],
+            &["--attention-impl", "flash", "--attention-block", "5"],
+        ]
+        .concat(),
+    );
+    assert_eq!(flash["attention_impl"], "flash");
+    assert!(!flash["cpu"].as_str().unwrap().is_empty());
+    for (row, flash_row) in rows.iter().zip(flash["rows"].as_array().unwrap()) {
+        assert_eq!(row["params"], flash_row["params"]);
+        assert!(num(flash_row, "step_tokens_per_sec") > 0.0);
+    }
 
     let err = fails(&["bench", "--size", "192x2x3", "--attention", "diff"]);
     assert!(err.contains("diff model of this size is invalid"), "{err}");

@@ -5,7 +5,7 @@
 use super::{Architecture, Dtype};
 use crate::recipe::ModelSection;
 use anyhow::{Context, Result, anyhow, bail};
-use diffzoo_models::ModelConfig;
+use diffzoo_models::{DEFAULT_ATTENTION_BLOCK, ModelConfig};
 use serde_json::{Map, Value, json};
 use std::path::Path;
 
@@ -209,6 +209,8 @@ fn parse(value: &Value) -> Result<HfConfig> {
         norm_eps: number(map, "rms_norm_eps")?,
         embedding_std: 0.02,
         linear_std: None,
+        attention_impl: Default::default(),
+        attention_block: DEFAULT_ATTENTION_BLOCK,
     };
     const HONOURED: &[&str] = &[
         "architectures",
