@@ -166,7 +166,7 @@ fn dispatch(cli: Cli) -> Result<()> {
                 gpus,
                 mfu,
                 json,
-            } => recipe::show(&name, &overrides, gpu.map(|g| (g, gpus, mfu)), json),
+            } => plan::show(&name, &overrides, gpu.map(|g| (g, gpus, mfu)), json),
         },
         Command::Generate(args) => generate::run(&args),
         Command::Eval { command } => match command {

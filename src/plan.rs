@@ -6,18 +6,26 @@
 //! the training FLOPs (`diffzoo_models::budget`) at a stated MFU of the GPU's dense bf16 peak.
 //!
 //! Activation accounting, per token and layer, in elements of the training dtype (an estimate of
-//! what Burn's autodiff keeps for our layers; full S×S maps, no flash attention under autodiff):
-//! norms' inputs and outputs `4·d_model`; Q, K, V `q + 2·kv`; their rotated copies `q + kv`;
-//! attention logits and probabilities `2·maps·S`; the attention output `d_model`; SwiGLU's gate,
-//! its activation, the up projection and their product `4·ffn`. DIFF V1 adds `A₁ − λA₂` (`H'·S`)
-//! and subln's input and output (`2·d_model`); DIFF V2 adds the paired output (`H·d`). The head
-//! keeps the final norm (`2·d_model`), the logits and their f32 log-softmax (`vocab·(b + 4)` bytes).
-//! With gradient checkpointing each block keeps only its input (`d_model`) and one block's
-//! activations are live again during its recomputation.
+//! what Burn's autodiff keeps for our layers): norms' inputs and outputs `4·d_model`; Q, K, V
+//! `q + 2·kv`; their rotated copies `q + kv`; the attention output `d_model`; SwiGLU's gate, its
+//! activation, the up projection and their product `4·ffn`. Attention itself keeps, with the
+//! explicit path, the logits and probabilities `2·maps·S` (S×S per map); with the flash path
+//! ([`diffzoo_models::attention::flash`]) no map at all, only the output and its row
+//! log-sum-exp, `maps·(d_v + 1)`. K and V repeated to the query heads are copies where GQA (or V1's
+//! two half-heads reading one V, on the flash path) repeats them: `maps·d` and `maps·d_v`; V2's
+//! 2H query heads always repeat its H_kv. DIFF V1 adds `A₁ − λA₂`
+//! (`H'·S`, explicit path only) and subln's input and output (`2·d_model`); DIFF V2 adds the
+//! paired output (`H·d`). The head keeps the final norm (`2·d_model`), the logits and their f32
+//! log-softmax (`vocab·(b + 4)` bytes). Per-block recomputation (not in diffzoo yet) would keep
+//! each block's input (`d_model`) and one block's activations during its recomputation.
+//!
+//! A plan only offers what diffzoo can execute: one GPU, or data parallelism on one node (Burn's
+//! DDP keeps a whole replica, optimizer state included, on every GPU). What would fit only with
+//! recomputation or a sharded optimizer is reported as not runnable, naming what is missing.
 
-use crate::recipe::Recipe;
+use crate::recipe::{self, Recipe};
 use anyhow::{Result, bail};
-use diffzoo_models::{AttentionKind, ModelConfig};
+use diffzoo_models::{AttentionImpl, AttentionKind, ModelConfig};
 use serde::Serialize;
 
 /// GPUs of one node, the reach of Burn's DDP.
@@ -65,10 +73,25 @@ pub struct Memory {
     pub weights: f64,
     pub gradients: f64,
     pub optimizer: f64,
-    /// Activations kept for one micro-batch without gradient checkpointing.
+    /// Activations kept for one micro-batch with the recipe's attention implementation.
     pub activations: f64,
-    /// The same with per-block gradient checkpointing.
-    pub activations_checkpointed: f64,
+    /// The same with per-block recomputation (which diffzoo does not offer yet).
+    pub activations_recomputed: f64,
+}
+
+/// How a plan can run, or what it would need.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fit {
+    /// The whole state and one micro-batch's activations fit one device.
+    Fits,
+    /// It would fit with per-block activation recomputation, which diffzoo does not offer yet.
+    NeedsRecomputation,
+    /// It would fit only with recomputation and the optimizer state sharded over this many
+    /// devices, neither of which diffzoo offers.
+    NeedsSharding(usize),
+    /// Weights, gradients and activations alone exceed one device.
+    Never,
 }
 
 /// A recipe's plan on a GPU.
@@ -77,21 +100,20 @@ pub struct Plan {
     pub gpu: Gpu,
     pub mfu: f64,
     pub bytes_per_element: usize,
+    /// The attention implementation the recipe trains with (`explicit` or `flash`).
+    pub attention: String,
     pub memory: Memory,
-    /// Whole state replicated on each device (data parallel, as Burn's DDP), with per-block
-    /// recomputation when that is what makes it fit: does one device hold it?
-    pub fits_replicated: bool,
-    pub needs_checkpointing: bool,
-    /// Smallest device count that holds it with the optimizer state sharded across devices
-    /// (Burn's `MultiDeviceOptim::OptimSharded`); `None` when even that cannot.
-    pub min_gpus_sharded: Option<usize>,
-    /// Devices the time is computed for.
+    pub fit: Fit,
+    /// Devices the time is computed for (when it can run).
     pub gpus: usize,
     /// Micro-batches of one optimizer step (data parallelism splits them across the GPUs).
     pub micro_batches: usize,
+    /// Sequences per micro-batch.
+    pub micro_batch: usize,
     /// How `diffzoo train --devices` runs it on `gpus` GPUs, or why it cannot (none for one).
     pub data_parallel: Option<String>,
     pub training_flops: f64,
+    /// `None` when it cannot run (on `gpus` GPUs) or the GPU's peak is unknown.
     pub days: Option<f64>,
     pub gpu_hours: Option<f64>,
 }
@@ -105,17 +127,40 @@ fn block_elements(config: &ModelConfig, seq_len: usize) -> f64 {
         config.head_dim() as f64,
     );
     let (ffn, s) = (config.ffn_hidden() as f64, seq_len as f64);
-    let (q, kv, maps, extra) = match config.attention {
-        AttentionKind::Transformer => (h * d, h_kv * d, h, 0.0),
-        AttentionKind::Diff => (h * d, h_kv * d, h, (h / 2.0) * s + 2.0 * dm),
-        AttentionKind::DiffV2 => (2.0 * h * d, h_kv * d, 2.0 * h, h * d),
+    let explicit = !matches!(config.attention_impl, AttentionImpl::Flash { .. });
+    // Query-side maps, the values' width, whether K and V are copies repeated to the query heads
+    // (GQA; V1's values always are, read by both half-heads), and what the variant adds.
+    let (q, kv, maps, d_v, repeated_k, repeated_v, extra) = match config.attention {
+        AttentionKind::Transformer => (h * d, h_kv * d, h, d, h > h_kv, h > h_kv, 0.0),
+        AttentionKind::Diff => {
+            let combined = if explicit { (h / 2.0) * s } else { 0.0 };
+            let gqa = h > h_kv;
+            (
+                h * d,
+                h_kv * d,
+                h,
+                2.0 * d,
+                gqa,
+                !explicit || gqa,
+                combined + 2.0 * dm,
+            )
+        }
+        AttentionKind::DiffV2 => (2.0 * h * d, h_kv * d, 2.0 * h, d, true, true, h * d),
     };
-    4.0 * dm + (q + 2.0 * kv) + (q + kv) + 2.0 * maps * s + dm + 4.0 * ffn + extra
+    let copies =
+        f64::from(u8::from(repeated_k)) * maps * d + f64::from(u8::from(repeated_v)) * maps * d_v;
+    let attention = if explicit {
+        2.0 * maps * s
+    } else {
+        // The output and its row log-sum-exp.
+        maps * (d_v + 1.0)
+    };
+    4.0 * dm + (q + 2.0 * kv) + (q + kv) + copies + attention + dm + 4.0 * ffn + extra
 }
 
 impl Plan {
-    /// Plans `recipe` on `gpu`; `gpus` fixes the device count for the time estimate (default:
-    /// one if it fits replicated, else the sharded minimum).
+    /// Plans `recipe` on `gpu`; `gpus` fixes the device count for the time estimate (default
+    /// one).
     pub fn new(recipe: &Recipe, gpu: Gpu, gpus: Option<usize>, mfu: f64) -> Result<Self> {
         if !(mfu > 0.0 && mfu <= 1.0) {
             bail!("--mfu {mfu}: expected a fraction in (0, 1]");
@@ -142,34 +187,45 @@ impl Plan {
             gradients: n * b as f64,
             optimizer: 2.0 * n * b as f64,
             activations: layers * block + head,
-            activations_checkpointed: layers * tokens * dm * b as f64 + block + head,
+            activations_recomputed: layers * tokens * dm * b as f64 + block + head,
         };
         let usable = gpu.memory_bytes * USABLE;
         let state = memory.weights + memory.gradients + memory.optimizer;
-        let fits_plain = state + memory.activations <= usable;
-        let fits_checkpointed = state + memory.activations_checkpointed <= usable;
-        let replicated = memory.weights + memory.gradients + memory.activations_checkpointed;
-        let min_gpus_sharded = (replicated < usable)
-            .then(|| (memory.optimizer / (usable - replicated)).ceil().max(1.0) as usize);
-        let gpus = gpus.unwrap_or(if fits_plain || fits_checkpointed {
-            1
+        let replicated = memory.weights + memory.gradients + memory.activations_recomputed;
+        let fit = if state + memory.activations <= usable {
+            Fit::Fits
+        } else if state + memory.activations_recomputed <= usable {
+            Fit::NeedsRecomputation
+        } else if replicated < usable {
+            Fit::NeedsSharding((memory.optimizer / (usable - replicated)).ceil().max(1.0) as usize)
         } else {
-            min_gpus_sharded.unwrap_or(1)
-        });
+            Fit::Never
+        };
+        let gpus = gpus.unwrap_or(1);
+        let micro_batches = recipe.accumulation();
+        let runnable = fit == Fit::Fits
+            && (gpus == 1
+                || (gpus <= GPUS_PER_NODE
+                    && crate::train::loader::shares(micro_batches, gpus).is_ok()));
         let training_flops = recipe.derived().training_flops;
         let seconds = gpu
             .peak_flops
+            .filter(|_| runnable)
             .map(|peak| training_flops / (gpus as f64 * peak * mfu));
         let mut plan = Self {
             gpu,
             mfu,
             bytes_per_element: b,
+            attention: match config.attention_impl {
+                AttentionImpl::Flash { .. } => "flash",
+                _ => "explicit",
+            }
+            .into(),
             memory,
-            fits_replicated: fits_plain || fits_checkpointed,
-            needs_checkpointing: !fits_plain && fits_checkpointed,
-            min_gpus_sharded,
+            fit,
             gpus,
-            micro_batches: recipe.accumulation(),
+            micro_batches,
+            micro_batch: recipe.training.micro_batch,
             training_flops,
             days: seconds.map(|s| s / 86_400.0),
             gpu_hours: seconds.map(|s| s * gpus as f64 / 3_600.0),
@@ -179,20 +235,13 @@ impl Plan {
         Ok(plan)
     }
 
-    /// How `diffzoo train` runs the plan on several GPUs (nothing for one).
+    /// How `diffzoo train` runs the plan on several GPUs (nothing for one, or when it cannot run).
     fn data_parallel_advice(&self) -> Option<String> {
         let n = self.gpus;
-        if n == 1 {
+        if n == 1 || self.fit != Fit::Fits {
             return None;
         }
-        Some(if !self.fits_replicated {
-            format!(
-                "diffzoo trains on several GPUs with Burn's DDP, which keeps the whole optimizer state on every GPU: it cannot train this on {} GPUs",
-                self.gpu.name
-            )
-        } else if self.needs_checkpointing {
-            "diffzoo's data parallelism (Burn's DDP) keeps a whole replica on every GPU, which fits only with the recomputation above".into()
-        } else if n > GPUS_PER_NODE {
+        Some(if n > GPUS_PER_NODE {
             format!(
                 "{n} GPUs are more than one node of {GPUS_PER_NODE}: diffzoo's data parallelism (Burn's DDP) runs on one node"
             )
@@ -214,6 +263,7 @@ impl Plan {
     pub fn lines(&self) -> Vec<String> {
         let gb = |x: f64| x / 1e9;
         let m = &self.memory;
+        let name = &self.gpu.name;
         let mut lines = vec![
             format!(
                 "memory per device ({}-byte elements): weights {:.1} GB, gradients {:.1} GB, AdamW state {:.1} GB",
@@ -223,25 +273,35 @@ impl Plan {
                 gb(m.optimizer)
             ),
             format!(
-                "activations per micro-batch: {:.1} GB, {:.1} GB with per-block recomputation",
+                "activations per micro-batch ({} attention): {:.1} GB{}",
+                self.attention,
                 gb(m.activations),
-                gb(m.activations_checkpointed)
+                match self.fit {
+                    Fit::Fits => String::new(),
+                    _ => format!(
+                        " ({:.1} GB if blocks were recomputed)",
+                        gb(m.activations_recomputed)
+                    ),
+                }
             ),
         ];
         let usable = gb(self.gpu.memory_bytes * USABLE);
-        lines.push(match (self.fits_replicated, self.needs_checkpointing, self.min_gpus_sharded) {
-            (true, false, _) => format!("fits one {} ({usable:.0} GB usable)", self.gpu.name),
-            (true, true, _) => format!(
-                "fits one {} ({usable:.0} GB usable) only with per-block activation recomputation, which diffzoo does not offer yet: lower training.micro_batch",
-                self.gpu.name
+        let needed = gb(m.weights + m.gradients + m.optimizer + m.activations);
+        lines.push(match self.fit {
+            Fit::Fits => format!("fits one {name} ({needed:.1} of {usable:.0} GB usable)"),
+            Fit::NeedsRecomputation => format!(
+                "diffzoo cannot train this on {name} GPUs yet: it needs {needed:.1} GB of {usable:.0} GB usable, and would fit with per-block activation recomputation, which diffzoo does not offer yet{}",
+                if self.micro_batch > 1 {
+                    " (a smaller training.micro_batch keeps fewer activations)"
+                } else {
+                    ""
+                }
             ),
-            (false, _, Some(n)) => format!(
-                "does not fit one {} ({usable:.0} GB usable); with the optimizer state sharded it needs {n} GPUs",
-                self.gpu.name
+            Fit::NeedsSharding(n) => format!(
+                "diffzoo cannot train this on {name} GPUs: it needs {needed:.1} GB of {usable:.0} GB usable, and would fit only with per-block recomputation and the AdamW state sharded over {n} GPUs, neither of which diffzoo offers (Burn's DDP keeps a whole replica on every GPU)"
             ),
-            (false, _, None) => format!(
-                "does not fit a {} even with the optimizer state sharded: weights, gradients and activations alone exceed {usable:.0} GB",
-                self.gpu.name
+            Fit::Never => format!(
+                "diffzoo cannot train this on {name} GPUs: weights, gradients and activations alone exceed {usable:.0} GB even with recomputation"
             ),
         });
         lines.extend(self.data_parallel.clone());
@@ -253,10 +313,73 @@ impl Plan {
                 self.gpu.name,
                 self.mfu * 100.0
             ),
-            _ => format!("{:.3e} training FLOPs (give a known --gpu for a time estimate)", self.training_flops),
+            _ if self.fit != Fit::Fits => format!(
+                "{:.3e} training FLOPs (no time estimate: no way to run it above)",
+                self.training_flops
+            ),
+            _ if self.gpu.peak_flops.is_some() => format!(
+                "{:.3e} training FLOPs (no time estimate for {} GPUs: see above)",
+                self.training_flops, self.gpus
+            ),
+            _ => format!(
+                "{:.3e} training FLOPs (give a known --gpu for a time estimate)",
+                self.training_flops
+            ),
         });
         lines
     }
+}
+
+/// `diffzoo recipe show`, with a plan when given (GPU, device count, MFU).
+pub fn show(
+    name: &str,
+    overrides: &[String],
+    plan: Option<(String, Option<usize>, f64)>,
+    json: bool,
+) -> Result<()> {
+    let resolved = recipe::resolve(name, overrides)?;
+    let derived = resolved.recipe.derived();
+    let plan = plan
+        .map(|(gpu, gpus, mfu)| Plan::new(&resolved.recipe, Gpu::parse(&gpu)?, gpus, mfu))
+        .transpose()?;
+    if json {
+        let out = serde_json::json!({
+            "name": resolved.name,
+            "source": resolved.source.to_string(),
+            "recipe": resolved.recipe,
+            "derived": derived,
+            "plan": plan,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!(
+        "# {} ({})\n{}",
+        resolved.name,
+        resolved.source,
+        resolved.recipe.to_toml()
+    );
+    println!("# derived");
+    println!(
+        "# parameters: {} total, {} non-embedding, {} in the paper's convention",
+        derived.params_total, derived.params_non_embedding, derived.params_paper
+    );
+    println!(
+        "# {} steps × {} tokens = {} tokens; {} sequences per step in {} micro-batches",
+        derived.steps,
+        resolved.recipe.training.batch_tokens,
+        derived.tokens,
+        derived.batch_sequences,
+        derived.accumulation
+    );
+    println!(
+        "# training FLOPs: {:.3e} per token, {:.3e} for the run",
+        derived.training_flops_per_token, derived.training_flops
+    );
+    for line in plan.iter().flat_map(|p| p.lines()) {
+        println!("# {line}");
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -268,55 +391,73 @@ mod tests {
         (a - b).abs() <= 1e-9 * b.abs().max(1.0)
     }
 
+    fn plan(name: &str, overrides: &[&str], gpu: &str, gpus: Option<usize>) -> Plan {
+        let overrides: Vec<String> = overrides.iter().map(|o| o.to_string()).collect();
+        let recipe = resolve(name, &overrides).unwrap().recipe;
+        Plan::new(&recipe, Gpu::parse(gpu).unwrap(), gpus, 0.4).unwrap()
+    }
+
     #[test]
     fn plan_830m_matches_hand_arithmetic() {
-        let recipe = resolve("paper/size-scaling/830m-transformer", &[])
-            .unwrap()
-            .recipe;
-        let plan = Plan::new(&recipe, Gpu::parse("h100").unwrap(), None, 0.4).unwrap();
+        let flash = plan("paper/size-scaling/830m-transformer", &[], "h100", None);
         // N = 24·(4·1536² + 3·1536·4096 + 2·1536) + 1536 + 2·100288·1536.
         let n = 24.0 * (4.0 * 1536.0f64.powi(2) + 3.0 * 1536.0 * 4096.0 + 2.0 * 1536.0)
             + 1536.0
             + 2.0 * 100_288.0 * 1536.0;
-        assert!(close(plan.memory.weights, 2.0 * n));
-        assert!(close(plan.memory.optimizer, 4.0 * n));
-        // Per token and layer: norms 4·1536, Q K V 3·1536, rotated Q K 2·1536, maps 2·16·2048,
-        // attention output 1536, SwiGLU 4·4096 elements.
-        let block = 4.0 * 1536.0
-            + 3.0 * 1536.0
-            + 2.0 * 1536.0
-            + 2.0 * 16.0 * 2048.0
-            + 1536.0
-            + 4.0 * 4096.0;
+        assert!(close(flash.memory.weights, 2.0 * n));
+        assert!(close(flash.memory.optimizer, 4.0 * n));
+        // Per token and layer: norms 4·1536, Q K V 3·1536, rotated Q K 2·1536, attention output
+        // 1536, SwiGLU 4·4096 elements; attention at 2,048 positions (flash by default): the
+        // output and L of 16 heads of 96 (MHA: K and V are not copied), or the explicit path's
+        // 2·16·2048 map entries.
+        let shared = 4.0 * 1536.0 + 3.0 * 1536.0 + 2.0 * 1536.0 + 1536.0 + 4.0 * 4096.0;
         let tokens = 4.0 * 2048.0; // micro-batches of 4 sequences
         let head = tokens * (2.0 * 1536.0 * 2.0 + 100_288.0 * 6.0);
+        assert_eq!(flash.attention, "flash");
+        let block = shared + 16.0 * (96.0 + 1.0);
         assert!(close(
-            plan.memory.activations,
+            flash.memory.activations,
             24.0 * tokens * block * 2.0 + head
         ));
         assert!(close(
-            plan.memory.activations_checkpointed,
+            flash.memory.activations_recomputed,
             24.0 * tokens * 1536.0 * 2.0 + tokens * block * 2.0 + head
         ));
-        assert!(plan.fits_replicated, "{:?}", plan.lines());
+        let explicit = plan(
+            "paper/size-scaling/830m-transformer",
+            &["model.attention_impl=\"explicit\""],
+            "h100",
+            None,
+        );
+        assert_eq!(explicit.attention, "explicit");
+        let block = shared + 2.0 * 16.0 * 2048.0;
+        assert!(close(
+            explicit.memory.activations,
+            24.0 * tokens * block * 2.0 + head
+        ));
+        for plan in [&flash, &explicit] {
+            assert_eq!(plan.fit, Fit::Fits, "{:?}", plan.lines());
+        }
         // 6·N_matmul + attention, over 40,000 × 262,144 tokens, on one H100 at 40% of 989.4 TFLOP/s.
         let linear = 24.0 * (4.0 * 1536.0f64.powi(2) + 3.0 * 1536.0 * 4096.0) + 1536.0 * 100_288.0;
         let per_token = 3.0 * (2.0 * linear + 24.0 * 2.0 * 2048.0 * (2.0 * 1536.0));
         let flops = per_token * 40_000.0 * 262_144.0;
-        assert!(close(plan.training_flops, flops));
+        assert!(close(flash.training_flops, flops));
         assert!(close(
-            plan.days.unwrap(),
+            flash.days.unwrap(),
             flops / (989.4e12 * 0.4) / 86_400.0
         ));
     }
 
     #[test]
     fn a_plan_on_several_gpus_gives_the_data_parallel_command_when_it_can_run() {
-        let recipe = resolve("paper/size-scaling/830m-transformer", &[])
-            .unwrap()
-            .recipe;
         let line = |gpus| {
-            let plan = Plan::new(&recipe, Gpu::parse("h100").unwrap(), Some(gpus), 0.4).unwrap();
+            let plan = plan(
+                "paper/size-scaling/830m-transformer",
+                &[],
+                "h100",
+                Some(gpus),
+            );
             assert_eq!(
                 plan.micro_batches, 32,
                 "128 sequences in micro-batches of 4"
@@ -334,82 +475,124 @@ mod tests {
             line(3)
         );
         assert!(line(16).unwrap().contains("more than one node"));
+        let recipe = resolve("paper/size-scaling/830m-transformer", &[])
+            .unwrap()
+            .recipe;
         assert!(Plan::new(&recipe, Gpu::parse("h100").unwrap(), Some(0), 0.4).is_err());
-        let three_b = resolve("paper/3b/diff-360b", &[]).unwrap().recipe;
-        let plan = Plan::new(&three_b, Gpu::parse("h100").unwrap(), Some(8), 0.4).unwrap();
-        assert!(plan.needs_checkpointing);
+        let three_b = plan("paper/3b/diff-360b", &[], "h100", Some(8));
         assert!(
-            plan.data_parallel
-                .unwrap()
-                .contains("only with the recomputation")
+            three_b.data_parallel.unwrap().contains("--devices cuda:0"),
+            "flash attention makes the 3B fit, so DDP runs it"
         );
     }
 
     #[test]
-    fn plan_3b_and_13b_size_their_clusters() {
-        let recipe = resolve("paper/3b/diff-360b", &[]).unwrap().recipe;
-        let plan = Plan::new(&recipe, Gpu::parse("h100").unwrap(), Some(64), 0.4).unwrap();
+    fn the_3b_fits_one_h100_with_flash_attention_and_not_without() {
+        let flash = plan("paper/3b/diff-360b", &[], "h100", Some(8));
         // N = 28·(4·3072² + 3·3072·8192 + 2·3072 + 6·128) + 3072 + 2·100288·3072, in bf16.
         let n = 28.0
             * (4.0 * 3072.0f64.powi(2) + 3.0 * 3072.0 * 8192.0 + 2.0 * 3072.0 + 6.0 * 128.0)
             + 3072.0
             + 2.0 * 100_288.0 * 3072.0;
-        assert!(close(
-            plan.memory.weights + plan.memory.gradients + plan.memory.optimizer,
-            8.0 * n
-        ));
-        // Per token and layer: norms 4·3072, Q K V 3·3072, rotated 2·3072, maps 2·24·4096,
-        // output 3072, SwiGLU 4·8192, and DIFF's A₁ − λA₂ 12·4096 and subln 2·3072.
+        let m = &flash.memory;
+        assert!(close(m.weights + m.gradients + m.optimizer, 8.0 * n));
+        // Per token and layer: norms 4·3072, Q K V 3·3072, rotated 2·3072, output 3072, SwiGLU
+        // 4·8192, subln 2·3072, and flash's copy of V for both half-heads (24 × 256), output and L
+        // of 24 half-heads (24 × 257).
         let block = 4.0 * 3072.0
             + 3.0 * 3072.0
             + 2.0 * 3072.0
-            + 2.0 * 24.0 * 4096.0
             + 3072.0
             + 4.0 * 8192.0
-            + 12.0 * 4096.0
-            + 2.0 * 3072.0;
+            + 2.0 * 3072.0
+            + 24.0 * 256.0
+            + 24.0 * 257.0;
         let head = 4096.0 * (2.0 * 3072.0 * 2.0 + 100_288.0 * 6.0);
-        assert!(close(
-            plan.memory.activations,
-            28.0 * 4096.0 * block * 2.0 + head
-        ));
-        assert!(
-            plan.fits_replicated && plan.needs_checkpointing,
-            "the 3B at 4,096 keeps S×S maps: one H100 only with recomputation"
-        );
-        let h200 = Plan::new(&recipe, Gpu::parse("h200").unwrap(), None, 0.4).unwrap();
-        assert!(h200.fits_replicated && !h200.needs_checkpointing);
-        let per_token = recipe.model_config().flops_per_token(4096).training;
+        assert!(close(m.activations, 28.0 * 4096.0 * block * 2.0 + head));
+        assert_eq!(flash.fit, Fit::Fits, "{:?}", flash.lines());
+        let per_token = flash_recipe_flops();
         let flops = per_token * 85_831.0 * 4_194_304.0;
-        assert!(close(plan.training_flops, flops));
+        assert!(close(flash.training_flops, flops));
         assert!(close(
-            plan.gpu_hours.unwrap(),
+            flash.gpu_hours.unwrap(),
             flops / (989.4e12 * 0.4) / 3600.0
         ));
         assert!(close(
-            plan.days.unwrap() * 64.0 * 24.0,
-            plan.gpu_hours.unwrap()
+            flash.days.unwrap() * 8.0 * 24.0,
+            flash.gpu_hours.unwrap()
         ));
+        // No time for device counts diffzoo cannot run: beyond one node, or not dividing the
+        // step's micro-batches.
+        for gpus in [64, 3] {
+            let plan = plan("paper/3b/diff-360b", &[], "h100", Some(gpus));
+            assert!(plan.days.is_none(), "{gpus}: {:?}", plan.lines());
+            assert!(!plan.lines().iter().any(|l| l.contains("days on")));
+        }
 
-        let big = resolve("paper/size-scaling/13.1b-transformer", &[])
-            .unwrap()
-            .recipe;
-        let plan = Plan::new(&big, Gpu::parse("h100").unwrap(), None, 0.4).unwrap();
-        assert!(
-            !plan.fits_replicated,
-            "13.1B in bf16 with AdamW needs 16 bytes per parameter"
+        // The explicit path keeps 2·24 maps of 4,096² per layer: it would need recomputation.
+        let explicit = plan(
+            "paper/3b/diff-360b",
+            &["model.attention_impl=\"explicit\""],
+            "h100",
+            None,
         );
-        let n = plan
-            .min_gpus_sharded
-            .expect("fits with a sharded optimizer");
-        assert!(n > 1);
-        assert_eq!(plan.gpus, n);
-        let usable = 80e9 * USABLE;
-        let replicated =
-            plan.memory.weights + plan.memory.gradients + plan.memory.activations_checkpointed;
-        assert!(replicated + plan.memory.optimizer / n as f64 <= usable);
-        assert!(replicated + plan.memory.optimizer / (n - 1) as f64 > usable);
-        assert!(plan.lines().iter().any(|l| l.contains("cannot train this")));
+        assert_eq!(explicit.fit, Fit::NeedsRecomputation);
+        assert_no_time_for_what_cannot_run(&explicit);
+        let h200 = plan(
+            "paper/3b/diff-360b",
+            &["model.attention_impl=\"explicit\""],
+            "h200",
+            None,
+        );
+        assert_eq!(h200.fit, Fit::Fits);
+    }
+
+    fn flash_recipe_flops() -> f64 {
+        let recipe = resolve("paper/3b/diff-360b", &[]).unwrap().recipe;
+        recipe.model_config().flops_per_token(4096).training
+    }
+
+    /// A plan that cannot run says so and gives no time or command for it.
+    fn assert_no_time_for_what_cannot_run(plan: &Plan) {
+        let lines = plan.lines();
+        assert!(
+            plan.days.is_none() && plan.data_parallel.is_none(),
+            "{lines:?}"
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains("diffzoo cannot train this")),
+            "{lines:?}"
+        );
+        assert!(!lines.iter().any(|l| l.contains("days on")), "{lines:?}");
+    }
+
+    #[test]
+    fn plans_that_cannot_run_say_what_they_need_and_nothing_else() {
+        // 64K context: flash keeps no maps, but 28 layers of 65,536 tokens still outgrow an H200
+        // without recomputation.
+        let long = plan("paper/3b/diff-64k", &[], "h200", None);
+        assert_eq!(long.attention, "flash");
+        assert_eq!(long.fit, Fit::NeedsRecomputation, "{:?}", long.lines());
+        assert_no_time_for_what_cannot_run(&long);
+        assert!(long.lines()[2].contains("per-block activation recomputation"));
+
+        // 13.1B in bf16 with AdamW needs 16 bytes per parameter: a sharded optimizer, which
+        // Burn's DDP does not do. No "days on 4 × H100" after "cannot train".
+        for gpus in [None, Some(4)] {
+            let big = plan("paper/size-scaling/13.1b-transformer", &[], "h100", gpus);
+            let Fit::NeedsSharding(n) = big.fit else {
+                panic!("{:?}", big.lines())
+            };
+            let usable = 80e9 * USABLE;
+            let m = &big.memory;
+            let replicated = m.weights + m.gradients + m.activations_recomputed;
+            assert!(n > 1);
+            assert!(replicated + m.optimizer / n as f64 <= usable);
+            assert!(replicated + m.optimizer / (n - 1) as f64 > usable);
+            assert_no_time_for_what_cannot_run(&big);
+        }
         assert!(Gpu::parse("big").is_err());
         assert_eq!(Gpu::parse("48").unwrap().peak_flops, None);
     }
