@@ -11,9 +11,9 @@
 //! activation, the up projection and their product `4·ffn`. Attention itself keeps, with the
 //! explicit path, the logits and probabilities `2·maps·S` (S×S per map); with the flash path
 //! ([`diffzoo_models::attention::flash`]) no map at all, only the output and its row
-//! log-sum-exp, `maps·(d_v + 1)`. K and V repeated to the query heads are copies where GQA (or V1's
-//! two half-heads reading one V, on the flash path) repeats them: `maps·d` and `maps·d_v`; V2's
-//! 2H query heads always repeat its H_kv. DIFF V1 adds `A₁ − λA₂`
+//! log-sum-exp (f32), `maps·(d_v + 4/b)`. K and V repeated to the query heads are copies where GQA
+//! (or, on the flash path, V1's two half-heads reading one V) repeats them; V2's 2H query heads
+//! always repeat its H_kv. DIFF V1 adds `A₁ − λA₂`
 //! (`H'·S`, explicit path only) and subln's input and output (`2·d_model`); DIFF V2 adds the
 //! paired output (`H·d`). The head keeps the final norm (`2·d_model`), the logits and their f32
 //! log-softmax (`vocab·(b + 4)` bytes). Per-block recomputation (not in diffzoo yet) would keep
@@ -110,6 +110,8 @@ pub struct Plan {
     pub micro_batches: usize,
     /// Sequences per micro-batch.
     pub micro_batch: usize,
+    /// Whether a micro-batch of one sequence would fit one device (when this one does not).
+    pub one_sequence_fits: bool,
     /// How `diffzoo train --devices` runs it on `gpus` GPUs, or why it cannot (none for one).
     pub data_parallel: Option<String>,
     pub training_flops: f64,
@@ -118,8 +120,8 @@ pub struct Plan {
     pub gpu_hours: Option<f64>,
 }
 
-/// Activation elements per token of one block (see the module documentation).
-fn block_elements(config: &ModelConfig, seq_len: usize) -> f64 {
+/// Activation elements per token of one block (see the module documentation), `b` bytes each.
+fn block_elements(config: &ModelConfig, seq_len: usize, b: f64) -> f64 {
     let (dm, h, h_kv, d) = (
         config.d_model as f64,
         config.heads as f64,
@@ -128,32 +130,34 @@ fn block_elements(config: &ModelConfig, seq_len: usize) -> f64 {
     );
     let (ffn, s) = (config.ffn_hidden() as f64, seq_len as f64);
     let explicit = !matches!(config.attention_impl, AttentionImpl::Flash { .. });
-    // Query-side maps, the values' width, whether K and V are copies repeated to the query heads
-    // (GQA; V1's values always are, read by both half-heads), and what the variant adds.
-    let (q, kv, maps, d_v, repeated_k, repeated_v, extra) = match config.attention {
-        AttentionKind::Transformer => (h * d, h_kv * d, h, d, h > h_kv, h > h_kv, 0.0),
-        AttentionKind::Diff => {
-            let combined = if explicit { (h / 2.0) * s } else { 0.0 };
-            let gqa = h > h_kv;
-            (
-                h * d,
-                h_kv * d,
-                h,
-                2.0 * d,
-                gqa,
-                !explicit || gqa,
-                combined + 2.0 * dm,
-            )
+    let gqa = h > h_kv;
+    // Query-side maps, the values' width, the copies of K and V that repeating them to the query
+    // heads makes (`repeat_kv` with n_rep = 1 returns its input), and what the variant adds.
+    let (q, kv, maps, d_v, copies, extra) = match config.attention {
+        AttentionKind::Transformer => {
+            let copies = if gqa { h * d + h * d } else { 0.0 };
+            (h * d, h_kv * d, h, d, copies, 0.0)
         }
-        AttentionKind::DiffV2 => (2.0 * h * d, h_kv * d, 2.0 * h, d, true, true, h * d),
+        AttentionKind::Diff => {
+            // K: 2H' half-heads of d under GQA. V: H' heads of 2d under GQA on the explicit
+            // path; on the flash path both half-heads of a head read it, 2H' of 2d.
+            let k = if gqa { h * d } else { 0.0 };
+            let v = match (explicit, gqa) {
+                (false, _) => h * 2.0 * d,
+                (true, true) => (h / 2.0) * 2.0 * d,
+                (true, false) => 0.0,
+            };
+            let combined = if explicit { (h / 2.0) * s } else { 0.0 };
+            (h * d, h_kv * d, h, 2.0 * d, k + v, combined + 2.0 * dm)
+        }
+        // 2H query heads always repeat the H_kv keys and values.
+        AttentionKind::DiffV2 => (2.0 * h * d, h_kv * d, 2.0 * h, d, 4.0 * h * d, h * d),
     };
-    let copies =
-        f64::from(u8::from(repeated_k)) * maps * d + f64::from(u8::from(repeated_v)) * maps * d_v;
     let attention = if explicit {
         2.0 * maps * s
     } else {
-        // The output and its row log-sum-exp.
-        maps * (d_v + 1.0)
+        // The output and its row log-sum-exp (f32, 4 bytes).
+        maps * (d_v + 4.0 / b)
     };
     4.0 * dm + (q + 2.0 * kv) + (q + kv) + copies + attention + dm + 4.0 * ffn + extra
 }
@@ -181,7 +185,7 @@ impl Plan {
             config.layers as f64,
         );
         let head = tokens * (2.0 * dm * b as f64 + vocab * (b as f64 + 4.0));
-        let block = tokens * block_elements(&config, recipe.data.seq_len) * b as f64;
+        let block = tokens * block_elements(&config, recipe.data.seq_len, b as f64) * b as f64;
         let memory = Memory {
             weights: n * b as f64,
             gradients: n * b as f64,
@@ -226,6 +230,8 @@ impl Plan {
             gpus,
             micro_batches,
             micro_batch: recipe.training.micro_batch,
+            one_sequence_fits: state + memory.activations / recipe.training.micro_batch as f64
+                <= usable,
             training_flops,
             days: seconds.map(|s| s / 86_400.0),
             gpu_hours: seconds.map(|s| s * gpus as f64 / 3_600.0),
@@ -254,7 +260,7 @@ impl Plan {
                         .collect::<Vec<_>>()
                         .join(",")
                 ),
-                Err(e) => format!("{e}: change `training.micro_batch`"),
+                Err(e) => format!("{e}; choose a --gpus that divides {}", self.micro_batches),
             }
         })
     }
@@ -290,18 +296,18 @@ impl Plan {
         lines.push(match self.fit {
             Fit::Fits => format!("fits one {name} ({needed:.1} of {usable:.0} GB usable)"),
             Fit::NeedsRecomputation => format!(
-                "diffzoo cannot train this on {name} GPUs yet: it needs {needed:.1} GB of {usable:.0} GB usable, and would fit with per-block activation recomputation, which diffzoo does not offer yet{}",
-                if self.micro_batch > 1 {
-                    " (a smaller training.micro_batch keeps fewer activations)"
+                "diffzoo cannot train this on one {name} yet: it needs {needed:.1} GB of {usable:.0} GB usable, and would fit with per-block activation recomputation, which diffzoo does not offer{}",
+                if self.micro_batch > 1 && self.one_sequence_fits {
+                    "; training.micro_batch = 1 fits"
                 } else {
                     ""
                 }
             ),
             Fit::NeedsSharding(n) => format!(
-                "diffzoo cannot train this on {name} GPUs: it needs {needed:.1} GB of {usable:.0} GB usable, and would fit only with per-block recomputation and the AdamW state sharded over {n} GPUs, neither of which diffzoo offers (Burn's DDP keeps a whole replica on every GPU)"
+                "diffzoo cannot train this: it needs {needed:.1} GB on one {name} ({usable:.0} GB usable), and would fit only with per-block recomputation and the AdamW state sharded over {n} of them, neither of which diffzoo offers (Burn's DDP keeps a whole replica on every GPU)"
             ),
             Fit::Never => format!(
-                "diffzoo cannot train this on {name} GPUs: weights, gradients and activations alone exceed {usable:.0} GB even with recomputation"
+                "diffzoo cannot train this: on one {name} ({usable:.0} GB usable) weights, gradients and activations alone do not fit even with recomputation"
             ),
         });
         lines.extend(self.data_parallel.clone());
@@ -408,13 +414,13 @@ mod tests {
         assert!(close(flash.memory.optimizer, 4.0 * n));
         // Per token and layer: norms 4·1536, Q K V 3·1536, rotated Q K 2·1536, attention output
         // 1536, SwiGLU 4·4096 elements; attention at 2,048 positions (flash by default): the
-        // output and L of 16 heads of 96 (MHA: K and V are not copied), or the explicit path's
-        // 2·16·2048 map entries.
+        // output and L (f32: two bf16 elements) of 16 heads of 96 (MHA: K and V are not copied),
+        // or the explicit path's 2·16·2048 map entries.
         let shared = 4.0 * 1536.0 + 3.0 * 1536.0 + 2.0 * 1536.0 + 1536.0 + 4.0 * 4096.0;
         let tokens = 4.0 * 2048.0; // micro-batches of 4 sequences
         let head = tokens * (2.0 * 1536.0 * 2.0 + 100_288.0 * 6.0);
         assert_eq!(flash.attention, "flash");
-        let block = shared + 16.0 * (96.0 + 1.0);
+        let block = shared + 16.0 * (96.0 + 2.0);
         assert!(close(
             flash.memory.activations,
             24.0 * tokens * block * 2.0 + head
@@ -498,7 +504,7 @@ mod tests {
         assert!(close(m.weights + m.gradients + m.optimizer, 8.0 * n));
         // Per token and layer: norms 4·3072, Q K V 3·3072, rotated 2·3072, output 3072, SwiGLU
         // 4·8192, subln 2·3072, and flash's copy of V for both half-heads (24 × 256), output and L
-        // of 24 half-heads (24 × 257).
+        // (f32) of 24 half-heads (24 × (256 + 2)).
         let block = 4.0 * 3072.0
             + 3.0 * 3072.0
             + 2.0 * 3072.0
@@ -506,7 +512,7 @@ mod tests {
             + 4.0 * 8192.0
             + 2.0 * 3072.0
             + 24.0 * 256.0
-            + 24.0 * 257.0;
+            + 24.0 * (256.0 + 2.0);
         let head = 4096.0 * (2.0 * 3072.0 * 2.0 + 100_288.0 * 6.0);
         assert!(close(m.activations, 28.0 * 4096.0 * block * 2.0 + head));
         assert_eq!(flash.fit, Fit::Fits, "{:?}", flash.lines());

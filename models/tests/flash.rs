@@ -162,12 +162,23 @@ fn the_operation_matches_attention_at_edge_lengths_and_blocks() {
 
 #[test]
 fn half_precision_inputs_are_computed_in_f32() {
-    let device = Device::flex();
-    let [q, k, v] = [2, 3, 4].map(|seed| random([1, 2, 40, 8], seed, &device));
+    let device = Device::flex().autodiff();
+    let inputs = || [2, 3, 4].map(|seed| random([1, 2, 40, 8], seed, &device).require_grad());
+    let [q, k, v] = inputs();
+    let weights = random([1, 2, 40, 8], 5, &device);
     let expected = reference(q.clone(), k.clone(), v.clone());
-    let bf16 = |x: Tensor<4>| x.cast(DType::BF16);
-    let out = flash_causal_attention(bf16(q), bf16(k), bf16(v), 8);
+    let grads = (expected.clone() * weights.clone()).sum().backward();
+    let [hq, hk, hv] = inputs();
+    let bf16 = |x: &Tensor<4>| x.clone().cast(DType::BF16);
+    let out = flash_causal_attention(bf16(&hq), bf16(&hk), bf16(&hv), 8);
     assert_eq!(out.dtype(), DType::BF16);
-    // Only the inputs' and the output's bf16 rounding (8 bits of mantissa) remain.
-    assert_close("bf16 flash", out.cast(DType::F32), expected, 3e-2, 2e-2);
+    // Only the inputs', the output's and the gradients' bf16 rounding (8 bits of mantissa) remain.
+    let out = out.cast(DType::F32);
+    assert_close("bf16 flash", out.clone(), expected, 3e-2, 2e-2);
+    let half_grads = (out * weights).sum().backward();
+    for (name, a, b) in [("q", &hq, &q), ("k", &hk, &k), ("v", &hv, &v)] {
+        let got = a.grad(&half_grads).expect("gradient reaches the input");
+        let want = b.grad(&grads).expect("gradient reaches the input");
+        assert_close(&format!("bf16 d{name}"), got, want, 5e-2, 3e-2);
+    }
 }
