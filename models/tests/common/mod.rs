@@ -87,6 +87,13 @@ pub const IMPLS: [AttentionImpl; 4] = [
     AttentionImpl::Flash { block: 5 },
 ];
 
+/// Whether `backend` runs a test's whole grid of shapes. WGPU on Mesa's software Vulkan (CI's)
+/// compiles its kernels anew for every shape, minutes per grid, for code that is the same on every
+/// backend: it runs one representative point of each grid (a partial last block).
+pub fn whole_grid(backend: &str) -> bool {
+    backend != "wgpu"
+}
+
 /// Builds the model of a case and loads its reference weights, checking that every parameter
 /// was loaded and every stored tensor used.
 pub fn load_model(case: &str, config: &ModelConfig, device: &Device) -> Model {
