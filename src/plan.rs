@@ -9,13 +9,15 @@
 //! what Burn's autodiff keeps for our layers): norms' inputs and outputs `4·d_model`; Q, K, V
 //! `q + 2·kv`; their rotated copies `q + kv`; the attention output `d_model`; SwiGLU's gate, its
 //! activation, the up projection and their product `4·ffn`. Attention itself keeps, with the
-//! explicit path, the logits and probabilities `2·maps·S` (S×S per map); with the flash path
-//! ([`diffzoo_models::attention::flash`]) no map at all, only the output and its row
-//! log-sum-exp (f32), `maps·(d_v + 4/b)`. K and V repeated to the query heads are copies where GQA
-//! (or, on the flash path, V1's two half-heads reading one V) repeats them; V2's 2H query heads
-//! always repeat its H_kv. DIFF V1 adds `A₁ − λA₂`
-//! (`H'·S`, explicit path only) and subln's input and output (`2·d_model`); DIFF V2 adds the
-//! paired output (`H·d`). The head keeps the final norm (`2·d_model`), the logits and their f32
+//! explicit path, three S×S tensors per map, `3·maps·S` (softmax's shifted logits and their
+//! exponent, and the probabilities the product with V reads; for DIFF V1, `A₁ − λA₂` takes the
+//! probabilities' place, measured no larger; the causal mask, one byte per entry shared by the
+//! heads, is left out); with the flash path ([`diffzoo_models::attention::flash`]) no map at
+//! all, only the output and its row log-sum-exp (f32), `maps·(d_v + 4/b)`. K and V repeated to
+//! the query heads are copies where GQA (or, on the flash path, V1's two half-heads reading one
+//! V) repeats them; V2's 2H query heads always repeat its H_kv. DIFF V1 adds subln's input and
+//! output (`2·d_model`); DIFF V2 adds the paired output (`H·d`). `tests/plan_memory.rs` holds
+//! these formulas to what a forward pass keeps on Flex in f32. The head keeps the final norm (`2·d_model`), the logits and their f32
 //! log-softmax (`vocab·(b + 4)` bytes). Per-block recomputation (not in diffzoo yet) would keep
 //! each block's input (`d_model`) and one block's activations during its recomputation.
 //!
@@ -147,14 +149,13 @@ fn block_elements(config: &ModelConfig, seq_len: usize, b: f64) -> f64 {
                 (true, true) => (h / 2.0) * 2.0 * d,
                 (true, false) => 0.0,
             };
-            let combined = if explicit { (h / 2.0) * s } else { 0.0 };
-            (h * d, h_kv * d, h, 2.0 * d, k + v, combined + 2.0 * dm)
+            (h * d, h_kv * d, h, 2.0 * d, k + v, 2.0 * dm)
         }
         // 2H query heads always repeat the H_kv keys and values.
         AttentionKind::DiffV2 => (2.0 * h * d, h_kv * d, 2.0 * h, d, 4.0 * h * d, h * d),
     };
     let attention = if explicit {
-        2.0 * maps * s
+        3.0 * maps * s
     } else {
         // The output and its row log-sum-exp (f32, 4 bytes).
         maps * (d_v + 4.0 / b)
@@ -415,7 +416,7 @@ mod tests {
         // Per token and layer: norms 4·1536, Q K V 3·1536, rotated Q K 2·1536, attention output
         // 1536, SwiGLU 4·4096 elements; attention at 2,048 positions (flash by default): the
         // output and L (f32: two bf16 elements) of 16 heads of 96 (MHA: K and V are not copied),
-        // or the explicit path's 2·16·2048 map entries.
+        // or the explicit path's 3·16·2048 map entries.
         let shared = 4.0 * 1536.0 + 3.0 * 1536.0 + 2.0 * 1536.0 + 1536.0 + 4.0 * 4096.0;
         let tokens = 4.0 * 2048.0; // micro-batches of 4 sequences
         let head = tokens * (2.0 * 1536.0 * 2.0 + 100_288.0 * 6.0);
@@ -436,7 +437,7 @@ mod tests {
             None,
         );
         assert_eq!(explicit.attention, "explicit");
-        let block = shared + 2.0 * 16.0 * 2048.0;
+        let block = shared + 3.0 * 16.0 * 2048.0;
         assert!(close(
             explicit.memory.activations,
             24.0 * tokens * block * 2.0 + head
