@@ -11,17 +11,20 @@
 //! | baseline attention | [`attention::TransformerAttention`] |
 //! | DIFF V1, eq. 1–3, λ, λ_init, subln | [`attention::DiffAttention`] |
 //! | DIFF V2 | [`attention::DiffV2Attention`] |
-//! | parameter counts, FLOPs, KV cache | [`budget`] |
+//! | parameter counts, FLOPs, KV cache size | [`budget`] |
+//! | incremental decoding (KV cache) | [`cache`] |
 //! | analysis statistics (Table 5 magnitudes, λ) | [`analysis`] |
 //!
 //! ```text
 //! ModelConfig::new(AttentionKind::Diff, d_model, layers, heads, vocab, max_seq_len).init(&device)
 //!     -> Model::forward(tokens [B, S]) -> logits [B, S, vocab]
+//! Model::cache() -> Model::forward_cached(prompt, &mut cache), then one token at a time
 //! ```
 
 pub mod analysis;
 pub mod attention;
 pub mod budget;
+pub mod cache;
 pub mod config;
 pub mod feed_forward;
 pub mod model;
@@ -29,5 +32,6 @@ pub mod model;
 pub use analysis::{AbsAccumulator, AbsStats, Allocation, LayerStats, allocation};
 pub use attention::{Attention, AttentionProbe};
 pub use budget::{FlopsPerToken, ParamCount};
+pub use cache::{KvCache, LayerCache};
 pub use config::{AttentionImpl, AttentionKind, DEFAULT_ATTENTION_BLOCK, ModelConfig, lambda_init};
 pub use model::{Block, LayerProbe, Model, ModelProbe};

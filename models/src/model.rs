@@ -9,6 +9,7 @@
 //! No biases, no dropout; RoPE (adjacent pairs, GPT-J layout) on every query and key head.
 
 use crate::attention::{Attention, AttentionProbe, projection};
+use crate::cache::{KvCache, LayerCache, assert_room};
 use crate::config::{AttentionImpl, ModelConfig};
 use crate::feed_forward::SwiGlu;
 use burn::module::Module;
@@ -44,6 +45,20 @@ impl Block {
 
     pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
         let h = x.clone() + self.attn.forward(self.attn_norm.forward(x), rope);
+        h.clone() + self.ffn.forward(self.ffn_norm.forward(h))
+    }
+
+    /// [`Block::forward`] for the next positions after those in `cache`.
+    pub fn forward_cached(
+        &self,
+        x: Tensor<3>,
+        rope: &RotaryEncoding,
+        cache: &mut LayerCache,
+    ) -> Tensor<3> {
+        let h = x.clone()
+            + self
+                .attn
+                .forward_cached(self.attn_norm.forward(x), rope, cache);
         h.clone() + self.ffn.forward(self.ffn_norm.forward(h))
     }
 
@@ -123,6 +138,29 @@ impl Model {
             .iter()
             .fold(self.embed.forward(tokens), |h, block| {
                 block.forward(h, &self.rope)
+            });
+        self.head(h)
+    }
+
+    /// An empty KV cache for incremental decoding of up to `max_seq_len` positions.
+    pub fn cache(&self) -> KvCache {
+        KvCache::new(self.blocks.len(), self.rope.freq_complex.dims()[0])
+    }
+
+    /// The logits of the next positions `tokens` `[B, S]` of sequences whose earlier positions
+    /// are in `cache` (empty: a prompt's prefill), which then holds these too. Equal to the
+    /// matching rows of [`Model::forward`] over the whole sequences.
+    ///
+    /// # Panics
+    /// If the sequences would outgrow `cache.capacity()` (`max_seq_len`); callers check first.
+    pub fn forward_cached(&self, tokens: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<3> {
+        assert_room(cache.len(), tokens.dims()[1], cache.capacity());
+        let h = self
+            .blocks
+            .iter()
+            .zip(&mut cache.layers)
+            .fold(self.embed.forward(tokens), |h, (block, layer)| {
+                block.forward_cached(h, &self.rope, layer)
             });
         self.head(h)
     }

@@ -1,11 +1,11 @@
-//! Invariants that hold for any weights: causality, parameter parity, the λ_init schedule,
-//! gradient flow, the analysis path's maps, and the budget arithmetic.
+//! Invariants that hold for any weights: causality, cached decoding, parameter parity, the
+//! λ_init schedule, gradient flow, the analysis path's maps, and the budget arithmetic.
 
 mod common;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Device, Gradients, Tensor};
-use common::{IMPLS, max_abs_diff, tokens};
+use common::{IMPLS, assert_close, backends, max_abs_diff, tokens, tolerance, whole_grid};
 use diffzoo_models::{Attention, AttentionKind, ModelConfig, lambda_init};
 
 fn device() -> Device {
@@ -52,6 +52,62 @@ fn future_tokens_never_change_past_outputs() {
             }
         }
     }
+}
+
+#[test]
+fn cached_decoding_gives_the_logits_of_the_whole_sequence() {
+    // A prompt's prefill, single tokens, a chunk of three, then single tokens again: 17 of the
+    // 32 positions the model holds.
+    let steps = [5, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1];
+    let seq: usize = steps.iter().sum();
+    for (backend, device) in backends() {
+        for attention in AttentionKind::ALL {
+            let shapes = SHAPES
+                .into_iter()
+                .filter(|&shape| whole_grid(backend) || shape == (8, 2));
+            for (heads, kv_heads) in shapes {
+                // Flash (whose blocks do not divide the prompt) prefills; decoding is explicit.
+                let implementations = [IMPLS[0], IMPLS[3]];
+                for implementation in &implementations[..if whole_grid(backend) { 2 } else { 1 }] {
+                    device.seed(7);
+                    let model = config(attention, heads, kv_heads)
+                        .with_attention_impl(*implementation)
+                        .init(&device);
+                    let input = tokens(2, seq, 61, 1, &device);
+                    let whole = model.forward(input.clone());
+                    let mut cache = model.cache();
+                    let mut start = 0;
+                    for step in steps {
+                        let got =
+                            model.forward_cached(input.clone().narrow(1, start, step), &mut cache);
+                        assert_close(
+                            &format!(
+                                "{backend}: {attention} H={heads} H_kv={kv_heads} {implementation:?} \
+                                 positions {start}..{}",
+                                start + step
+                            ),
+                            got,
+                            whole.clone().narrow(1, start, step),
+                            tolerance(backend),
+                            1e-5,
+                        );
+                        start += step;
+                        assert_eq!(cache.len(), start);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "KV cache: 33 positions exceed the model's max_seq_len of 32")]
+fn a_cache_refuses_positions_beyond_max_seq_len() {
+    let device = device();
+    let model = config(AttentionKind::Diff, 4, 4).init(&device);
+    let mut cache = model.cache();
+    model.forward_cached(tokens(1, 30, 61, 1, &device), &mut cache);
+    model.forward_cached(tokens(1, 3, 61, 2, &device), &mut cache);
 }
 
 #[test]

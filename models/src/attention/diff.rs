@@ -22,8 +22,9 @@
 
 use super::{
     AttentionProbe, causal_attention, causal_logits, merge_heads, projection, repeat_kv,
-    rotary_heads, split_heads,
+    rotary_heads, split_heads, start, with_cached,
 };
+use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig, lambda_init};
 use burn::module::{Module, Param};
 use burn::nn::{Initializer, Linear, RmsNorm, RmsNormConfig, RotaryEncoding};
@@ -100,13 +101,25 @@ impl DiffAttention {
             + self.lambda_init
     }
 
-    /// Q `[B, 2H', S, d]` (half-head `2h + c` is head h's Q_{c+1}), K `[B, 2H', S, d]` lined up
-    /// with it (GQA-repeated) and V `[B, H', S, 2d]`.
-    fn qkv(&self, x: Tensor<3>, rope: &RotaryEncoding) -> [Tensor<4>; 3] {
-        let n_rep = self.heads / self.kv_heads;
-        let q = rotary_heads(self.q_proj.forward(x.clone()), 2 * self.heads, rope);
-        let k = rotary_heads(self.k_proj.forward(x.clone()), 2 * self.kv_heads, rope);
+    /// Q `[B, 2H', S, d]` (half-head `2h + c` is head h's Q_{c+1}), and K `[B, 2H', T, d]` lined
+    /// up with it (GQA-repeated) and V `[B, H', T, 2d]` of the T positions so far: this step's S,
+    /// after those in `cache`.
+    fn qkv(
+        &self,
+        x: Tensor<3>,
+        rope: &RotaryEncoding,
+        cache: Option<&mut LayerCache>,
+    ) -> [Tensor<4>; 3] {
+        let (n_rep, start) = (self.heads / self.kv_heads, start(&cache));
+        let q = rotary_heads(self.q_proj.forward(x.clone()), 2 * self.heads, rope, start);
+        let k = rotary_heads(
+            self.k_proj.forward(x.clone()),
+            2 * self.kv_heads,
+            rope,
+            start,
+        );
         let v = split_heads(self.v_proj.forward(x), self.kv_heads);
+        let [k, v] = with_cached(k, v, cache);
         // Query half (h, c) meets key half (h / n_rep, c): fold each kv head's two halves into one
         // "head" of 2S rows, so that repeating heads keeps the pair together.
         let k = if n_rep == 1 {
@@ -135,8 +148,18 @@ impl DiffAttention {
     }
 
     pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
+        self.attend(x, rope, None)
+    }
+
+    /// The forward pass, after the positions in `cache` when there is one.
+    pub(crate) fn attend(
+        &self,
+        x: Tensor<3>,
+        rope: &RotaryEncoding,
+        cache: Option<&mut LayerCache>,
+    ) -> Tensor<3> {
         let dtype = x.dtype();
-        let [q, k, v] = self.qkv(x, rope);
+        let [q, k, v] = self.qkv(x, rope, cache);
         let lambda = self.lambda_as(dtype);
         let heads = if self.implementation == AttentionImpl::Explicit || self.logit_bits > 0 {
             let [a1, a2] = halves(softmax(causal_logits(q, k, self.logit_bits), 3));
@@ -156,7 +179,7 @@ impl DiffAttention {
         rope: &RotaryEncoding,
     ) -> (Tensor<3>, AttentionProbe) {
         let dtype = x.dtype();
-        let [q, k, v] = self.qkv(x, rope);
+        let [q, k, v] = self.qkv(x, rope, None);
         let logits = causal_logits(q, k, self.logit_bits);
         let probs = softmax(logits.clone(), 3);
         let [a1, a2] = halves(probs.clone());

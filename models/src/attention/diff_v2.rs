@@ -17,8 +17,9 @@
 
 use super::{
     AttentionProbe, causal_attention, causal_logits, merge_heads, projection, repeat_kv,
-    rotary_heads, split_heads,
+    rotary_heads, split_heads, start, with_cached,
 };
+use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig};
 use burn::module::Module;
 use burn::nn::{Linear, RotaryEncoding};
@@ -69,12 +70,19 @@ impl DiffV2Attention {
         sigmoid(self.lambda_proj.forward(x).cast(DType::F32))
     }
 
-    /// Q, K and V with 2H heads each (K and V GQA-repeated), `[B, 2H, S, d]`.
-    fn qkv(&self, x: Tensor<3>, rope: &RotaryEncoding) -> [Tensor<4>; 3] {
-        let n_rep = 2 * self.heads / self.kv_heads;
-        let q = rotary_heads(self.q_proj.forward(x.clone()), 2 * self.heads, rope);
-        let k = rotary_heads(self.k_proj.forward(x.clone()), self.kv_heads, rope);
+    /// Q `[B, 2H, S, d]`, and K and V GQA-repeated to 2H heads `[B, 2H, T, d]` of the T
+    /// positions so far: this step's S, after those in `cache`.
+    fn qkv(
+        &self,
+        x: Tensor<3>,
+        rope: &RotaryEncoding,
+        cache: Option<&mut LayerCache>,
+    ) -> [Tensor<4>; 3] {
+        let (n_rep, start) = (2 * self.heads / self.kv_heads, start(&cache));
+        let q = rotary_heads(self.q_proj.forward(x.clone()), 2 * self.heads, rope, start);
+        let k = rotary_heads(self.k_proj.forward(x.clone()), self.kv_heads, rope, start);
         let v = split_heads(self.v_proj.forward(x), self.kv_heads);
+        let [k, v] = with_cached(k, v, cache);
         [q, repeat_kv(k, n_rep), repeat_kv(v, n_rep)]
     }
 
@@ -93,8 +101,19 @@ impl DiffV2Attention {
     }
 
     pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
+        self.attend(x, rope, None)
+    }
+
+    /// The forward pass, after the positions in `cache` when there is one (λ needs only this
+    /// step's tokens).
+    pub(crate) fn attend(
+        &self,
+        x: Tensor<3>,
+        rope: &RotaryEncoding,
+        cache: Option<&mut LayerCache>,
+    ) -> Tensor<3> {
         let lambda = self.lambda(x.clone());
-        let [q, k, v] = self.qkv(x, rope);
+        let [q, k, v] = self.qkv(x, rope, cache);
         let o = causal_attention(q, k, v, self.implementation, self.logit_bits);
         self.o_proj
             .forward(merge_heads(self.differentiate(o, lambda)))
@@ -106,7 +125,7 @@ impl DiffV2Attention {
         rope: &RotaryEncoding,
     ) -> (Tensor<3>, AttentionProbe) {
         let lambda = self.lambda(x.clone());
-        let [q, k, v] = self.qkv(x, rope);
+        let [q, k, v] = self.qkv(x, rope, None);
         let logits = causal_logits(q, k, self.logit_bits);
         let probs = softmax(logits.clone(), 3);
         // Both heads of a pair read the same values, so the output is this map applied to them.

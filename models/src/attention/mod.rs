@@ -13,6 +13,7 @@ pub use diff::DiffAttention;
 pub use diff_v2::DiffV2Attention;
 pub use transformer::TransformerAttention;
 
+use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, AttentionKind, ModelConfig};
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, RotaryEncoding};
@@ -66,6 +67,21 @@ impl Attention {
             Self::Transformer(a) => a.forward(x, rope),
             Self::Diff(a) => a.forward(x, rope),
             Self::DiffV2(a) => a.forward(x, rope),
+        }
+    }
+
+    /// [`Attention::forward`] for the next positions of a sequence whose earlier keys and values
+    /// are in `cache` (RoPE at the absolute positions); appends this step's to it.
+    pub fn forward_cached(
+        &self,
+        x: Tensor<3>,
+        rope: &RotaryEncoding,
+        cache: &mut LayerCache,
+    ) -> Tensor<3> {
+        match self {
+            Self::Transformer(a) => a.attend(x, rope, Some(cache)),
+            Self::Diff(a) => a.attend(x, rope, Some(cache)),
+            Self::DiffV2(a) => a.attend(x, rope, Some(cache)),
         }
     }
 
@@ -129,8 +145,8 @@ pub(crate) fn split_heads(x: Tensor<3>, heads: usize) -> Tensor<4> {
     x.reshape([b, s, heads, width / heads]).swap_dims(1, 2)
 }
 
-/// `[B, S, heads·d]` → RoPE-rotated heads `[B, heads, S, d]`. Adjacent pairs (GPT-J layout) turn
-/// by position t times θᵢ:
+/// `[B, S, heads·d]` at positions `start..start + S` → RoPE-rotated heads `[B, heads, S, d]`.
+/// Adjacent pairs (GPT-J layout) turn by position t times θᵢ:
 ///
 /// ```text
 /// out[2i]   = x[2i]·cos(tθᵢ) − x[2i+1]·sin(tθᵢ)
@@ -140,12 +156,17 @@ pub(crate) fn split_heads(x: Tensor<3>, heads: usize) -> Tensor<4> {
 /// i.e. `x ⊙ cos + swap(x) ⊙ (∓sin)` with `swap` exchanging each pair, computed in the
 /// projection's own `[B, S, heads, d]` layout from the tables of Burn's `RotaryEncoding` (whose
 /// `forward` does the same through a small matmul on a rearranged copy, several times slower).
-pub(crate) fn rotary_heads(x: Tensor<3>, heads: usize, rope: &RotaryEncoding) -> Tensor<4> {
+pub(crate) fn rotary_heads(
+    x: Tensor<3>,
+    heads: usize,
+    rope: &RotaryEncoding,
+    start: usize,
+) -> Tensor<4> {
     let [b, s, width] = x.dims();
     let d = width / heads;
     let (device, dtype) = (x.device(), x.dtype());
     // [S, d, 2]: cos and sin of tθᵢ, each repeated for both members of pair i.
-    let table = rope.freq_complex.clone().narrow(0, 0, s);
+    let table = rope.freq_complex.clone().narrow(0, start, s);
     let cos = table.clone().narrow(2, 0, 1).reshape([1, s, 1, d]);
     let sign = Tensor::<1>::from_floats([-1.0, 1.0], &device).reshape([1, 1, 2]);
     let sin = (table.narrow(2, 1, 1).reshape([s, d / 2, 2]) * sign).reshape([1, s, 1, d]);
@@ -164,6 +185,24 @@ pub(crate) fn merge_heads(x: Tensor<4>) -> Tensor<3> {
     x.swap_dims(1, 2).reshape([b, s, h * dim])
 }
 
+/// The absolute position of a step's first token: the number of positions cached before it.
+pub(crate) fn start(cache: &Option<&mut LayerCache>) -> usize {
+    cache.as_ref().map_or(0, |c| c.len())
+}
+
+/// This step's keys and values `[B, H, S, ·]`, preceded by the cached ones when there is a cache
+/// (which then holds them too).
+pub(crate) fn with_cached(
+    k: Tensor<4>,
+    v: Tensor<4>,
+    cache: Option<&mut LayerCache>,
+) -> [Tensor<4>; 2] {
+    match cache {
+        Some(cache) => cache.append(k, v),
+        None => [k, v],
+    }
+}
+
 /// GQA: `[B, H_kv, S, dim]` → `[B, H_kv·n_rep, S, dim]`, query head `i` reading kv head
 /// `i / n_rep` (the official code's `repeat_kv`).
 pub(crate) fn repeat_kv(x: Tensor<4>, n_rep: usize) -> Tensor<4> {
@@ -176,14 +215,18 @@ pub(crate) fn repeat_kv(x: Tensor<4>, n_rep: usize) -> Tensor<4> {
         .reshape([b, h_kv * n_rep, s, dim])
 }
 
-/// Scaled causal logits `q·kᵀ/√d` with `-inf` above the diagonal; `q`, `k`: `[.., S, d]`.
-/// With `bits > 0` the logits are quantised first (see [`quantize_absmax`]).
+/// Scaled causal logits `q·kᵀ/√d` with `-inf` where a key comes after its query; `q`:
+/// `[.., S, d]`, `k`: `[.., T, d]` with T ≥ S: the queries are the last S of the T positions
+/// (T > S when earlier keys come from a KV cache). With `bits > 0` the logits are quantised
+/// first (see [`quantize_absmax`]).
 pub(crate) fn causal_logits<const D: usize>(q: Tensor<D>, k: Tensor<D>, bits: u32) -> Tensor<D> {
     let [s, d] = [q.dims()[D - 2], q.dims()[D - 1]];
+    let t = k.dims()[D - 2];
     let logits = q
         .matmul(k.swap_dims(D - 2, D - 1))
         .mul_scalar(1.0 / (d as f64).sqrt());
-    let future = Tensor::<2, Bool>::tril_mask([s, s], 0, &logits.device()).unsqueeze::<D>();
+    let past = (t - s) as i64;
+    let future = Tensor::<2, Bool>::tril_mask([s, t], past, &logits.device()).unsqueeze::<D>();
     let logits = if bits > 0 {
         quantize_absmax(logits, future.clone(), bits)
     } else {
@@ -222,7 +265,9 @@ pub(crate) fn causal_softmax<const D: usize>(q: Tensor<D>, k: Tensor<D>, bits: u
 }
 
 /// `softmax(q·kᵀ/√d + causal mask)·v` by the configured implementation; quantised logits
-/// (`bits > 0`) always take the explicit path. `q`, `k`: `[B, H, S, d]`, `v`: `[B, H, S, d_v]`.
+/// (`bits > 0`) and queries after cached keys (decoding) take the explicit path. `q`:
+/// `[B, H, S, d]`, `k`: `[B, H, T, d]`, `v`: `[B, H, T, d_v]`, the queries being the last S of
+/// the T positions.
 pub(crate) fn causal_attention(
     q: Tensor<4>,
     k: Tensor<4>,
@@ -230,8 +275,9 @@ pub(crate) fn causal_attention(
     implementation: AttentionImpl,
     bits: u32,
 ) -> Tensor<4> {
+    let cached = k.dims()[2] > q.dims()[2];
     match implementation {
-        _ if bits > 0 => causal_softmax(q, k, bits).matmul(v),
+        _ if bits > 0 || cached => causal_softmax(q, k, bits).matmul(v),
         AttentionImpl::Explicit => causal_softmax(q, k, 0).matmul(v),
         AttentionImpl::Fused => {
             // Burn's attention op; its default scale is 1/√d.

@@ -10,8 +10,9 @@
 
 use super::{
     AttentionProbe, causal_attention, causal_logits, merge_heads, projection, repeat_kv,
-    rotary_heads, split_heads,
+    rotary_heads, split_heads, start, with_cached,
 };
+use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig};
 use burn::module::Module;
 use burn::nn::{Linear, RotaryEncoding};
@@ -50,17 +51,34 @@ impl TransformerAttention {
         }
     }
 
-    /// Q, K (repeated to H heads) and V (repeated), each `[B, H, S, d]`.
-    fn qkv(&self, x: Tensor<3>, rope: &RotaryEncoding) -> [Tensor<4>; 3] {
-        let n_rep = self.heads / self.kv_heads;
-        let q = rotary_heads(self.q_proj.forward(x.clone()), self.heads, rope);
-        let k = rotary_heads(self.k_proj.forward(x.clone()), self.kv_heads, rope);
+    /// Q `[B, H, S, d]`, and K (repeated to H heads) and V (repeated) `[B, H, T, d]` of the T
+    /// positions so far: this step's S, after those in `cache`.
+    fn qkv(
+        &self,
+        x: Tensor<3>,
+        rope: &RotaryEncoding,
+        cache: Option<&mut LayerCache>,
+    ) -> [Tensor<4>; 3] {
+        let (n_rep, start) = (self.heads / self.kv_heads, start(&cache));
+        let q = rotary_heads(self.q_proj.forward(x.clone()), self.heads, rope, start);
+        let k = rotary_heads(self.k_proj.forward(x.clone()), self.kv_heads, rope, start);
         let v = split_heads(self.v_proj.forward(x), self.kv_heads);
+        let [k, v] = with_cached(k, v, cache);
         [q, repeat_kv(k, n_rep), repeat_kv(v, n_rep)]
     }
 
     pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
-        let [q, k, v] = self.qkv(x, rope);
+        self.attend(x, rope, None)
+    }
+
+    /// The forward pass, after the positions in `cache` when there is one.
+    pub(crate) fn attend(
+        &self,
+        x: Tensor<3>,
+        rope: &RotaryEncoding,
+        cache: Option<&mut LayerCache>,
+    ) -> Tensor<3> {
+        let [q, k, v] = self.qkv(x, rope, cache);
         let heads = causal_attention(q, k, v, self.implementation, self.logit_bits);
         self.o_proj.forward(merge_heads(heads))
     }
@@ -70,7 +88,7 @@ impl TransformerAttention {
         x: Tensor<3>,
         rope: &RotaryEncoding,
     ) -> (Tensor<3>, AttentionProbe) {
-        let [q, k, v] = self.qkv(x, rope);
+        let [q, k, v] = self.qkv(x, rope, None);
         let logits = causal_logits(q, k, self.logit_bits);
         let probs = softmax(logits.clone(), 3);
         let out = self.o_proj.forward(merge_heads(probs.clone().matmul(v)));
