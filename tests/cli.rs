@@ -18,6 +18,72 @@ fn records(run: &Path, split: &str) -> Vec<Value> {
         .collect()
 }
 
+/// `generate` on a micro run (a context of 32): the context is refused before any work unless
+/// a sliding window is asked for, `--stop` cuts the text, bad sampling options are named.
+fn generation_limits_and_stops(run: &Path) {
+    let generate = |extra: &[&str]| -> Value {
+        let mut args = vec![
+            "generate",
+            "--run",
+            path(run),
+            "--prompt",
+            "ROMEO:",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        serde_json::from_str(&ok(&args)).unwrap()
+    };
+    let err = fails(&[
+        "generate",
+        "--run",
+        path(run),
+        "--prompt",
+        "ROMEO:",
+        "--max-tokens",
+        "30",
+    ]);
+    assert!(
+        err.contains("the prompt's 6 tokens and --max-tokens 30 exceed the model's context of 32"),
+        "{err}"
+    );
+    let long = generate(&[
+        "--max-tokens",
+        "45",
+        "--sliding-window",
+        "--temperature",
+        "0",
+    ]);
+    if long["stopped"] == "max-tokens" {
+        assert_eq!(long["tokens"].as_array().unwrap().len(), 45, "{long}");
+    }
+    let greedy = generate(&["--max-tokens", "12", "--temperature", "0"]);
+    let text = greedy["completion"].as_str().unwrap().to_string();
+    assert!(text.chars().count() >= 4, "{greedy}");
+    let stop: String = text.chars().skip(2).take(2).collect();
+    let cut = generate(&["--max-tokens", "12", "--temperature", "0", "--stop", &stop]);
+    assert_eq!(cut["stopped"], "stop", "{cut}");
+    assert_eq!(
+        cut["completion"].as_str().unwrap(),
+        &text[..text.find(&stop).unwrap()]
+    );
+    for (flag, value) in [
+        ("--top-p", "1.5"),
+        ("--top-k", "0"),
+        ("--temperature", "-1"),
+    ] {
+        let err = fails(&[
+            "generate",
+            "--run",
+            path(run),
+            "--max-tokens",
+            "2",
+            flag,
+            value,
+        ]);
+        assert!(err.contains(&format!("{flag} {value}")), "{err}");
+    }
+}
+
 #[test]
 fn train_checkpoint_resume_generate_and_evaluate() {
     let tmp = tempfile::tempdir().unwrap();
@@ -163,7 +229,12 @@ fn train_checkpoint_resume_generate_and_evaluate() {
         serde_json::from_str(&ok(&args)).unwrap()
     };
     let generated = generate();
-    assert_eq!(generated["tokens"].as_array().unwrap().len(), 12);
+    let count = generated["tokens"].as_array().unwrap().len();
+    match generated["stopped"].as_str().unwrap() {
+        "max-tokens" => assert_eq!(count, 12),
+        stopped => assert!(stopped == "end-of-text" && count < 12, "{generated}"),
+    }
+    assert_eq!(generated["timings"]["prompt_tokens"], 6, "{generated}");
     assert!(
         generated["weights"]
             .as_str()
@@ -175,6 +246,7 @@ fn train_checkpoint_resume_generate_and_evaluate() {
         generate()["completion"],
         "deterministic by seed"
     );
+    generation_limits_and_stops(&whole);
     // A new run initialised from this one starts where it ended.
     let init = tmp.path().join("init");
     let whole_arg = format!("training.init_from={}", path(&whole));
