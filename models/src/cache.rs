@@ -7,10 +7,12 @@
 //! two maps share K's halves and V, and V2's λ is computed from the current token alone.
 //!
 //! Each layer's cache is allocated once for the model's `max_seq_len` positions (the RoPE table's
-//! length) when the first tokens arrive; a step writes its positions in place and attends over
-//! every position written so far.
+//! length) when the first tokens arrive; a step writes its positions into it (in place where the
+//! backend can reuse a buffer it alone holds) and attends over every position written so far.
+//! Prompts of different lengths share a batch left-padded ([`KvCache::with_left_padding`]):
+//! padding keys are masked out of every other position's attention.
 
-use burn::tensor::Tensor;
+use burn::tensor::{Bool, Device, Tensor, TensorData};
 
 /// One layer's cached keys and values.
 #[derive(Debug, Clone)]
@@ -18,6 +20,8 @@ pub struct LayerCache {
     /// Keys `[B, H_k, capacity, d_k]` and values `[B, H_v, capacity, d_v]`, from the first step
     /// on.
     stored: Option<[Tensor<4>; 2]>,
+    /// `[B, 1, 1, capacity]`, true at each row's left padding (see [`KvCache::with_left_padding`]).
+    padding: Option<Tensor<4, Bool>>,
     len: usize,
     capacity: usize,
 }
@@ -26,6 +30,7 @@ impl LayerCache {
     fn new(capacity: usize) -> Self {
         Self {
             stored: None,
+            padding: None,
             len: 0,
             capacity,
         }
@@ -74,6 +79,28 @@ impl LayerCache {
     }
 }
 
+impl LayerCache {
+    /// With left padding, the mask of the last step's `s` queries over the keys so far,
+    /// `[B, 1, S, T]`, true where a query may not look: later positions, and padding (a padding
+    /// query sees itself alone, so that its row stays finite). `None` without padding: the causal
+    /// mask alone, which attention derives from the shapes.
+    pub(crate) fn step_mask(&self, s: usize) -> Option<Tensor<4, Bool>> {
+        let padding = self.padding.as_ref()?;
+        let (b, t) = (padding.dims()[0], self.len);
+        let past = (t - s) as i64;
+        let device = padding.device();
+        let shape = [b, 1, s, t];
+        let future = Tensor::<2, Bool>::tril_mask([s, t], past, &device)
+            .unsqueeze::<4>()
+            .expand(shape);
+        let others = Tensor::<2, Bool>::diag_mask([s, t], past, &device)
+            .unsqueeze::<4>()
+            .expand(shape);
+        let pad_keys = padding.clone().narrow(3, 0, t).expand(shape);
+        Some(future.bool_or(pad_keys.bool_and(others)))
+    }
+}
+
 /// Panics unless `len + s` positions fit `capacity`.
 pub(crate) fn assert_room(len: usize, s: usize, capacity: usize) {
     assert!(
@@ -96,6 +123,35 @@ impl KvCache {
             layers: (0..layers).map(|_| LayerCache::new(capacity)).collect(),
             capacity,
         }
+    }
+
+    /// The cache of a batch of sequences left-padded to one length: row b's first `pads[b]`
+    /// positions are padding, which no other position attends to. RoPE depends only on the
+    /// distance between positions, so a row's logits are those of its sequence alone (to
+    /// rounding). Set before the first step.
+    ///
+    /// # Panics
+    /// If a row's padding reaches past the capacity, or tokens were already fed.
+    pub fn with_left_padding(mut self, pads: &[usize], device: &Device) -> Self {
+        assert!(
+            self.is_empty(),
+            "KV cache: padding is set before the first step"
+        );
+        let cap = self.capacity;
+        assert!(
+            pads.iter().all(|&p| p < cap),
+            "KV cache: padding {pads:?} leaves no room in {cap} positions"
+        );
+        let flags: Vec<bool> = pads
+            .iter()
+            .flat_map(|&p| (0..cap).map(move |j| j < p))
+            .collect();
+        let padding =
+            Tensor::<4, Bool>::from_data(TensorData::new(flags, [pads.len(), 1, 1, cap]), device);
+        for layer in &mut self.layers {
+            layer.padding = Some(padding.clone());
+        }
+        self
     }
 
     /// Positions cached so far.

@@ -44,8 +44,7 @@ impl Block {
     }
 
     pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
-        let h = x.clone() + self.attn.forward(self.attn_norm.forward(x), rope);
-        h.clone() + self.ffn.forward(self.ffn_norm.forward(h))
+        self.run(x, rope, None)
     }
 
     /// [`Block::forward`] for the next positions after those in `cache`.
@@ -55,10 +54,16 @@ impl Block {
         rope: &RotaryEncoding,
         cache: &mut LayerCache,
     ) -> Tensor<3> {
-        let h = x.clone()
-            + self
-                .attn
-                .forward_cached(self.attn_norm.forward(x), rope, cache);
+        self.run(x, rope, Some(cache))
+    }
+
+    fn run(
+        &self,
+        x: Tensor<3>,
+        rope: &RotaryEncoding,
+        cache: Option<&mut LayerCache>,
+    ) -> Tensor<3> {
+        let h = x.clone() + self.attn.run(self.attn_norm.forward(x), rope, cache);
         h.clone() + self.ffn.forward(self.ffn_norm.forward(h))
     }
 
@@ -149,7 +154,8 @@ impl Model {
 
     /// The logits of the next positions `tokens` `[B, S]` of sequences whose earlier positions
     /// are in `cache` (empty: a prompt's prefill), which then holds these too. Equal to the
-    /// matching rows of [`Model::forward`] over the whole sequences.
+    /// matching rows of [`Model::forward`] over the whole sequences (not with quantised logits,
+    /// [`Model::with_logit_bits`], whose scale is per map: a step sees only its own rows).
     ///
     /// # Panics
     /// If the sequences would outgrow `cache.capacity()` (`max_seq_len`); callers check first.

@@ -4,7 +4,7 @@
 mod common;
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::{Device, Gradients, Tensor};
+use burn::tensor::{Device, Gradients, Int, Tensor};
 use common::{IMPLS, assert_close, backends, max_abs_diff, tokens, tolerance, whole_grid};
 use diffzoo_models::{Attention, AttentionKind, ModelConfig, lambda_init};
 
@@ -56,9 +56,9 @@ fn future_tokens_never_change_past_outputs() {
 
 #[test]
 fn cached_decoding_gives_the_logits_of_the_whole_sequence() {
-    // A prompt's prefill, single tokens, a chunk of three, then single tokens again: 17 of the
+    // A prompt's prefill, single tokens, a chunk of three, then single tokens again: 18 of the
     // 32 positions the model holds.
-    let steps = [5, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1];
+    let steps = [7, 1, 1, 3, 1, 1, 1, 1, 1, 1];
     let seq: usize = steps.iter().sum();
     for (backend, device) in backends() {
         for attention in AttentionKind::ALL {
@@ -66,7 +66,8 @@ fn cached_decoding_gives_the_logits_of_the_whole_sequence() {
                 .into_iter()
                 .filter(|&shape| whole_grid(backend) || shape == (8, 2));
             for (heads, kv_heads) in shapes {
-                // Flash (whose blocks do not divide the prompt) prefills; decoding is explicit.
+                // Flash (blocks of 5: the 7-token prompt ends in a partial one) prefills;
+                // decoding is explicit.
                 let implementations = [IMPLS[0], IMPLS[3]];
                 for implementation in &implementations[..if whole_grid(backend) { 2 } else { 1 }] {
                     device.seed(7);
@@ -95,6 +96,47 @@ fn cached_decoding_gives_the_logits_of_the_whole_sequence() {
                         assert_eq!(cache.len(), start);
                     }
                 }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_left_padded_batch_decodes_each_prompt_as_alone() {
+    // Prompts of 7, 3 and 5 tokens, padded on the left to 7, then four tokens decoded.
+    let lengths = [7, 3, 5];
+    let (width, steps) = (7, 4);
+    let device = device();
+    for attention in AttentionKind::ALL {
+        for (heads, kv_heads) in SHAPES {
+            device.seed(11);
+            let model = config(attention, heads, kv_heads).init(&device);
+            let rows: Vec<Tensor<2, Int>> = (0..lengths.len())
+                .map(|r| tokens(1, width + steps, 61, 20 + r as u64, &device))
+                .collect();
+            let pads: Vec<usize> = lengths.iter().map(|l| width - l).collect();
+            let mut cache = model.cache().with_left_padding(&pads, &device);
+            let batch = Tensor::cat(rows.clone(), 0);
+            let mut batched =
+                vec![model.forward_cached(batch.clone().narrow(1, 0, width), &mut cache)];
+            for t in width..width + steps {
+                batched.push(model.forward_cached(batch.clone().narrow(1, t, 1), &mut cache));
+            }
+            let batched = Tensor::cat(batched, 1);
+            for (r, row) in rows.into_iter().enumerate() {
+                // Alone: the row without its padding, as one sequence.
+                let alone = model.forward(row.narrow(1, pads[r], lengths[r] + steps));
+                let got = batched
+                    .clone()
+                    .narrow(0, r, 1)
+                    .narrow(1, pads[r], lengths[r] + steps);
+                assert_close(
+                    &format!("{attention} H={heads} H_kv={kv_heads} row {r}"),
+                    got,
+                    alone,
+                    1e-5,
+                    1e-5,
+                );
             }
         }
     }

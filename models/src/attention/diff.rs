@@ -156,17 +156,23 @@ impl DiffAttention {
         &self,
         x: Tensor<3>,
         rope: &RotaryEncoding,
-        cache: Option<&mut LayerCache>,
+        mut cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
-        let dtype = x.dtype();
-        let [q, k, v] = self.qkv(x, rope, cache);
+        let (dtype, s) = (x.dtype(), x.dims()[1]);
+        let [q, k, v] = self.qkv(x, rope, cache.as_deref_mut());
+        let mask = cache.and_then(|c| c.step_mask(s));
         let lambda = self.lambda_as(dtype);
-        let heads = if self.implementation == AttentionImpl::Explicit || self.logit_bits > 0 {
-            let [a1, a2] = halves(softmax(causal_logits(q, k, self.logit_bits), 3));
+        // A decoding step (keys beyond its queries) takes the explicit path too: the others would
+        // copy the cached V for both half-heads at every step.
+        let explicit = self.implementation == AttentionImpl::Explicit
+            || self.logit_bits > 0
+            || k.dims()[2] > s;
+        let heads = if explicit {
+            let [a1, a2] = halves(softmax(causal_logits(q, k, self.logit_bits, mask), 3));
             (a1 - a2 * lambda).matmul(v)
         } else {
             // Half-heads 2h and 2h+1 both read head h's values.
-            let o = causal_attention(q, k, repeat_kv(v, 2), self.implementation, 0);
+            let o = causal_attention(q, k, repeat_kv(v, 2), self.implementation, 0, mask);
             let [a1v, a2v] = halves(o);
             a1v - a2v * lambda
         };
@@ -180,7 +186,7 @@ impl DiffAttention {
     ) -> (Tensor<3>, AttentionProbe) {
         let dtype = x.dtype();
         let [q, k, v] = self.qkv(x, rope, None);
-        let logits = causal_logits(q, k, self.logit_bits);
+        let logits = causal_logits(q, k, self.logit_bits, None);
         let probs = softmax(logits.clone(), 3);
         let [a1, a2] = halves(probs.clone());
         let effective = a1 - a2 * self.lambda_as(dtype);

@@ -110,11 +110,12 @@ impl DiffV2Attention {
         &self,
         x: Tensor<3>,
         rope: &RotaryEncoding,
-        cache: Option<&mut LayerCache>,
+        mut cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
-        let lambda = self.lambda(x.clone());
-        let [q, k, v] = self.qkv(x, rope, cache);
-        let o = causal_attention(q, k, v, self.implementation, self.logit_bits);
+        let (lambda, s) = (self.lambda(x.clone()), x.dims()[1]);
+        let [q, k, v] = self.qkv(x, rope, cache.as_deref_mut());
+        let mask = cache.and_then(|c| c.step_mask(s));
+        let o = causal_attention(q, k, v, self.implementation, self.logit_bits, mask);
         self.o_proj
             .forward(merge_heads(self.differentiate(o, lambda)))
     }
@@ -126,7 +127,7 @@ impl DiffV2Attention {
     ) -> (Tensor<3>, AttentionProbe) {
         let lambda = self.lambda(x.clone());
         let [q, k, v] = self.qkv(x, rope, None);
-        let logits = causal_logits(q, k, self.logit_bits);
+        let logits = causal_logits(q, k, self.logit_bits, None);
         let probs = softmax(logits.clone(), 3);
         // Both heads of a pair read the same values, so the output is this map applied to them.
         let effective = self.differentiate(probs.clone(), lambda.clone());

@@ -63,11 +63,7 @@ impl Attention {
 
     /// `x`: `[B, S, d_model]` (already normalised) → `[B, S, d_model]`.
     pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
-        match self {
-            Self::Transformer(a) => a.forward(x, rope),
-            Self::Diff(a) => a.forward(x, rope),
-            Self::DiffV2(a) => a.forward(x, rope),
-        }
+        self.run(x, rope, None)
     }
 
     /// [`Attention::forward`] for the next positions of a sequence whose earlier keys and values
@@ -78,10 +74,19 @@ impl Attention {
         rope: &RotaryEncoding,
         cache: &mut LayerCache,
     ) -> Tensor<3> {
+        self.run(x, rope, Some(cache))
+    }
+
+    pub(crate) fn run(
+        &self,
+        x: Tensor<3>,
+        rope: &RotaryEncoding,
+        cache: Option<&mut LayerCache>,
+    ) -> Tensor<3> {
         match self {
-            Self::Transformer(a) => a.attend(x, rope, Some(cache)),
-            Self::Diff(a) => a.attend(x, rope, Some(cache)),
-            Self::DiffV2(a) => a.attend(x, rope, Some(cache)),
+            Self::Transformer(a) => a.attend(x, rope, cache),
+            Self::Diff(a) => a.attend(x, rope, cache),
+            Self::DiffV2(a) => a.attend(x, rope, cache),
         }
     }
 
@@ -219,14 +224,22 @@ pub(crate) fn repeat_kv(x: Tensor<4>, n_rep: usize) -> Tensor<4> {
 /// `[.., S, d]`, `k`: `[.., T, d]` with T ≥ S: the queries are the last S of the T positions
 /// (T > S when earlier keys come from a KV cache). With `bits > 0` the logits are quantised
 /// first (see [`quantize_absmax`]).
-pub(crate) fn causal_logits<const D: usize>(q: Tensor<D>, k: Tensor<D>, bits: u32) -> Tensor<D> {
+/// `mask` (true: masked) replaces the causal mask when given (a KV cache with left padding).
+pub(crate) fn causal_logits<const D: usize>(
+    q: Tensor<D>,
+    k: Tensor<D>,
+    bits: u32,
+    mask: Option<Tensor<D, Bool>>,
+) -> Tensor<D> {
     let [s, d] = [q.dims()[D - 2], q.dims()[D - 1]];
     let t = k.dims()[D - 2];
     let logits = q
         .matmul(k.swap_dims(D - 2, D - 1))
         .mul_scalar(1.0 / (d as f64).sqrt());
     let past = (t - s) as i64;
-    let future = Tensor::<2, Bool>::tril_mask([s, t], past, &logits.device()).unsqueeze::<D>();
+    let future = mask.unwrap_or_else(|| {
+        Tensor::<2, Bool>::tril_mask([s, t], past, &logits.device()).unsqueeze::<D>()
+    });
     let logits = if bits > 0 {
         quantize_absmax(logits, future.clone(), bits)
     } else {
@@ -259,26 +272,33 @@ pub fn quantize_absmax<const D: usize>(
     logits.div(scale.clone()).round().mul(scale)
 }
 
-/// Causal softmax map `softmax(q·kᵀ/√d)` (logits quantised to `bits` when `bits > 0`).
-pub(crate) fn causal_softmax<const D: usize>(q: Tensor<D>, k: Tensor<D>, bits: u32) -> Tensor<D> {
-    softmax(causal_logits(q, k, bits), D - 1)
+/// Causal softmax map `softmax(q·kᵀ/√d)` (logits quantised to `bits` when `bits > 0`; `mask`
+/// as in [`causal_logits`]).
+pub(crate) fn causal_softmax<const D: usize>(
+    q: Tensor<D>,
+    k: Tensor<D>,
+    bits: u32,
+    mask: Option<Tensor<D, Bool>>,
+) -> Tensor<D> {
+    softmax(causal_logits(q, k, bits, mask), D - 1)
 }
 
 /// `softmax(q·kᵀ/√d + causal mask)·v` by the configured implementation; quantised logits
-/// (`bits > 0`) and queries after cached keys (decoding) take the explicit path. `q`:
-/// `[B, H, S, d]`, `k`: `[B, H, T, d]`, `v`: `[B, H, T, d_v]`, the queries being the last S of
-/// the T positions.
+/// (`bits > 0`), queries after cached keys (decoding) and a given `mask` (padding, see
+/// [`causal_logits`]) take the explicit path. `q`: `[B, H, S, d]`, `k`: `[B, H, T, d]`, `v`:
+/// `[B, H, T, d_v]`, the queries being the last S of the T positions.
 pub(crate) fn causal_attention(
     q: Tensor<4>,
     k: Tensor<4>,
     v: Tensor<4>,
     implementation: AttentionImpl,
     bits: u32,
+    mask: Option<Tensor<4, Bool>>,
 ) -> Tensor<4> {
     let cached = k.dims()[2] > q.dims()[2];
     match implementation {
-        _ if bits > 0 || cached => causal_softmax(q, k, bits).matmul(v),
-        AttentionImpl::Explicit => causal_softmax(q, k, 0).matmul(v),
+        _ if bits > 0 || cached || mask.is_some() => causal_softmax(q, k, bits, mask).matmul(v),
+        AttentionImpl::Explicit => causal_softmax(q, k, 0, None).matmul(v),
         AttentionImpl::Fused => {
             // Burn's attention op; its default scale is 1/√d.
             let options = AttentionModuleOptions {

@@ -76,10 +76,12 @@ impl TransformerAttention {
         &self,
         x: Tensor<3>,
         rope: &RotaryEncoding,
-        cache: Option<&mut LayerCache>,
+        mut cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
-        let [q, k, v] = self.qkv(x, rope, cache);
-        let heads = causal_attention(q, k, v, self.implementation, self.logit_bits);
+        let s = x.dims()[1];
+        let [q, k, v] = self.qkv(x, rope, cache.as_deref_mut());
+        let mask = cache.and_then(|c| c.step_mask(s));
+        let heads = causal_attention(q, k, v, self.implementation, self.logit_bits, mask);
         self.o_proj.forward(merge_heads(heads))
     }
 
@@ -89,7 +91,7 @@ impl TransformerAttention {
         rope: &RotaryEncoding,
     ) -> (Tensor<3>, AttentionProbe) {
         let [q, k, v] = self.qkv(x, rope, None);
-        let logits = causal_logits(q, k, self.logit_bits);
+        let logits = causal_logits(q, k, self.logit_bits, None);
         let probs = softmax(logits.clone(), 3);
         let out = self.o_proj.forward(merge_heads(probs.clone().matmul(v)));
         let probe = AttentionProbe {
