@@ -1,18 +1,22 @@
 //! `diffzoo generate`: sample text from a run's model with a KV cache.
 //!
-//! The prompt is prefilled in one pass, then each new token costs one position of attention
-//! against the cached keys and values (`diffzoo_models::cache`). The prompt plus `--max-tokens`
-//! must fit the model's context (`max_seq_len`); beyond it `--sliding-window` recomputes the last
-//! `max_seq_len` tokens for every further token, as a model without a cache would. Sampling:
-//! greedy at temperature 0, else the temperature's softmax restricted to the `--top-k` most likely
-//! tokens and then to the smallest set whose probability reaches `--top-p`. Generation stops at
-//! the end-of-text token, at `--stop`, or after `--max-tokens`.
+//! The prompts are prefilled in one pass, then each new token costs one position of attention
+//! against the cached keys and values (`diffzoo_models::cache`). Several prompts (`--prompt`
+//! repeated, `--prompts FILE`) run as one batch, left-padded to the longest with the padding
+//! masked out, each sampling from its own generator seeded with `--seed`: a batch generates what
+//! each of its prompts generates alone. A prompt plus `--max-tokens` must fit the model's context
+//! (`max_seq_len`); beyond it `--sliding-window` (one prompt) recomputes the last `max_seq_len`
+//! tokens for every further token, as a model without a cache would. Sampling: greedy at
+//! temperature 0, else the temperature's softmax restricted to the `--top-k` most likely tokens
+//! and then to the smallest set whose probability reaches `--top-p`. A prompt stops at the
+//! end-of-text token, at `--stop`, or after `--max-tokens`.
 
 use crate::{device, run};
 use anyhow::{Result, anyhow, bail};
+use burn::tensor::Device;
 use burn::tensor::{Int, Tensor, TensorData};
 use diffzoo_datasets::Rng;
-use diffzoo_models::Model;
+use diffzoo_models::{KvCache, Model};
 use serde::Serialize;
 use std::io::Write;
 use std::path::PathBuf;
@@ -23,9 +27,12 @@ pub struct GenerateArgs {
     /// Run directory.
     #[arg(long)]
     pub run: PathBuf,
-    /// Text to continue (empty: start from the end-of-text token).
-    #[arg(long, default_value = "")]
-    pub prompt: String,
+    /// Text to continue; repeat for a batch (none, nor --prompts: start from end-of-text).
+    #[arg(long)]
+    pub prompt: Vec<String>,
+    /// A file of prompts, one per line, generated as one batch after any --prompt.
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
     #[arg(long, default_value_t = 200)]
     pub max_tokens: usize,
     /// Sampling temperature; 0 decodes greedily.
@@ -40,27 +47,36 @@ pub struct GenerateArgs {
     /// Stop once the completion contains this text (it is cut there).
     #[arg(long)]
     pub stop: Option<String>,
-    /// Go on past the model's context: every further token recomputes the last max_seq_len.
+    /// Go on past the model's context (one prompt): every further token recomputes the last
+    /// max_seq_len.
     #[arg(long)]
     pub sliding_window: bool,
+    /// Each prompt samples from its own generator seeded with this: a batch samples as each of
+    /// its prompts would alone.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long, default_value = "cpu")]
     pub device: String,
-    /// Print one JSON object (tokens, text, timings) instead of streaming the text.
+    /// Print one JSON object (tokens, text, timings) instead of the text.
     #[arg(long)]
     pub json: bool,
 }
 
 #[derive(Debug, Serialize)]
-struct Generation {
+struct Output {
     weights: String,
+    generations: Vec<Generation>,
+    timings: Timings,
+}
+
+#[derive(Debug, Serialize)]
+struct Generation {
     prompt: String,
     completion: String,
+    /// Every token sampled (with `stop`, the last may reach past the cut text).
     tokens: Vec<u32>,
     /// `end-of-text`, `stop` or `max-tokens`.
     stopped: Ending,
-    timings: Timings,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -74,105 +90,173 @@ enum Ending {
 
 #[derive(Debug, Serialize)]
 struct Timings {
+    /// Prompt tokens prefilled over all prompts (padding not counted; a prompt longer than the
+    /// context, with `--sliding-window`, counts its last max_seq_len).
     prompt_tokens: usize,
     prefill_seconds: f64,
     prefill_tokens_per_sec: Option<f64>,
-    /// Tokens computed one at a time after the prefill (the last sampled one needs none).
+    /// Steps after the prefill times the batch (a sliding window's recomputation of the last
+    /// max_seq_len tokens counts as one).
     decode_tokens: usize,
     decode_seconds: f64,
     decode_tokens_per_sec: Option<f64>,
 }
 
+/// One prompt's progress.
+struct Row {
+    prompt: Vec<u32>,
+    tokens: Vec<u32>,
+    completion: String,
+    /// The streamed prefix of the completion.
+    printed: String,
+    stopped: Option<Ending>,
+    rng: Rng,
+}
+
 pub fn run(args: &GenerateArgs) -> Result<()> {
     check_sampling(args)?;
+    let texts = prompt_texts(args)?;
     let recipe = run::run_recipe(&args.run)?;
     let tokenizer = run::run_tokenizer(&args.run)?;
     let context = recipe.model_config().max_seq_len;
-    let prompt = if args.prompt.is_empty() {
-        vec![tokenizer.eot_id()]
-    } else {
-        tokenizer.encode(&args.prompt)?
-    };
-    if prompt.is_empty() {
-        bail!("the prompt encodes to no tokens");
+    let eot = tokenizer.eot_id();
+    let mut rows = Vec::with_capacity(texts.len());
+    for (i, text) in texts.iter().enumerate() {
+        let prompt = if text.is_empty() {
+            vec![eot]
+        } else {
+            tokenizer.encode(text)?
+        };
+        if prompt.is_empty() {
+            bail!("prompt {}: {text:?} encodes to no tokens", i + 1);
+        }
+        if prompt.len().saturating_add(args.max_tokens) > context && !args.sliding_window {
+            bail!(
+                "prompt {}: its {} tokens and --max-tokens {} exceed the model's context of \
+                 {context} positions (model.max_seq_len); ask for fewer tokens, or pass \
+                 --sliding-window to recompute the last {context} tokens for each token beyond it",
+                i + 1,
+                prompt.len(),
+                args.max_tokens
+            );
+        }
+        rows.push(Row {
+            prompt,
+            tokens: Vec::new(),
+            completion: String::new(),
+            printed: String::new(),
+            stopped: None,
+            rng: Rng::new(args.seed),
+        });
     }
-    if prompt.len() + args.max_tokens > context && !args.sliding_window {
+    if args.sliding_window && rows.len() > 1 {
         bail!(
-            "the prompt's {} tokens and --max-tokens {} exceed the model's context of {context} \
-             positions (model.max_seq_len); ask for fewer tokens, or pass --sliding-window to \
-             recompute the last {context} tokens for each token beyond it",
-            prompt.len(),
-            args.max_tokens
+            "--sliding-window takes one prompt at a time ({} given)",
+            rows.len()
         );
     }
     let device = device::parse(&args.device)?;
     let (model, weights) = run::load_model(&args.run, &recipe, &device)?;
-    if !args.json {
+    let stream_one = !args.json && rows.len() == 1;
+    if stream_one {
         eprintln!("({weights})");
-        print!("{}", args.prompt);
+        print!("{}", texts[0]);
     }
-    let mut decoder = Decoder::new(&model, &device);
     let started = Instant::now();
-    let mut logits = decoder.prefill(&prompt, context)?;
+    let prompts: Vec<&[u32]> = rows.iter().map(|r| r.prompt.as_slice()).collect();
+    let (mut decoder, mut logits) = Decoder::prefill(&model, &device, &prompts, eot)?;
     let prefill_seconds = started.elapsed().as_secs_f64();
     let decoding = Instant::now();
-    let mut rng = Rng::new(args.seed);
-    let mut tokens: Vec<u32> = Vec::new();
-    let mut completion = String::new();
-    // The streamed prefix of the completion.
-    let mut printed = String::new();
-    let mut stopped = Ending::MaxTokens;
-    for _ in 0..args.max_tokens {
-        let next = pick(logits, args.temperature, args.top_k, args.top_p, &mut rng);
-        if next == tokenizer.eot_id() {
-            stopped = Ending::EndOfText;
+    for step in 1..=args.max_tokens {
+        for (row, logits) in rows.iter_mut().zip(logits) {
+            if row.stopped.is_some() {
+                continue;
+            }
+            let next = pick(
+                logits,
+                args.temperature,
+                args.top_k,
+                args.top_p,
+                &mut row.rng,
+            );
+            if next == eot {
+                row.stopped = Some(Ending::EndOfText);
+                continue;
+            }
+            row.tokens.push(next);
+            let text = tokenizer.decode(&row.tokens)?;
+            let cut = args.stop.as_ref().and_then(|stop| text.find(stop.as_str()));
+            row.completion = cut.map_or(text.as_str(), |at| &text[..at]).to_string();
+            if stream_one {
+                stream(&row.completion, &mut row.printed, args.stop.as_deref())?;
+            }
+            if cut.is_some() {
+                row.stopped = Some(Ending::StopText);
+            }
+        }
+        if step == args.max_tokens || rows.iter().all(|r| r.stopped.is_some()) {
             break;
         }
-        tokens.push(next);
-        let text = tokenizer.decode(&tokens)?;
-        let cut = args.stop.as_ref().and_then(|stop| text.find(stop.as_str()));
-        let text = cut.map_or(text.as_str(), |at| &text[..at]).to_string();
-        if !args.json {
-            stream(&text, &mut printed)?;
-        }
-        completion = text;
-        if cut.is_some() {
-            stopped = Ending::StopText;
-            break;
-        }
-        if tokens.len() == args.max_tokens {
-            break;
-        }
-        logits = decoder.step(&prompt, &tokens, context)?;
+        // A finished row is fed end-of-text; its logits are not read.
+        let newest: Vec<u32> = rows
+            .iter()
+            .map(|r| match r.stopped {
+                None => r.tokens.last().copied().unwrap_or(eot),
+                Some(_) => eot,
+            })
+            .collect();
+        let history: Vec<u32> = rows[0]
+            .prompt
+            .iter()
+            .chain(&rows[0].tokens)
+            .copied()
+            .collect();
+        logits = decoder.step(&newest, &history)?;
     }
     let decode_seconds = decoding.elapsed().as_secs_f64();
+    let prompt_tokens = rows.iter().map(|r| r.prompt.len().min(context)).sum();
+    let decode_tokens = decoder.steps * rows.len();
     let timings = Timings {
-        prompt_tokens: prompt.len(),
+        prompt_tokens,
         prefill_seconds,
-        prefill_tokens_per_sec: rate(prompt.len(), prefill_seconds),
-        decode_tokens: decoder.steps,
+        prefill_tokens_per_sec: rate(prompt_tokens, prefill_seconds),
+        decode_tokens,
         decode_seconds,
-        decode_tokens_per_sec: rate(decoder.steps, decode_seconds),
+        decode_tokens_per_sec: rate(decode_tokens, decode_seconds),
     };
+    let generations: Vec<Generation> = rows
+        .into_iter()
+        .zip(texts)
+        .map(|(row, prompt)| {
+            if stream_one {
+                // What was held back as an incomplete character stays as decoded.
+                if let Some(rest) = row.completion.strip_prefix(row.printed.as_str()) {
+                    print!("{rest}");
+                }
+                println!();
+            } else if !args.json {
+                println!("{prompt}{}\n", row.completion);
+            }
+            Generation {
+                prompt,
+                completion: row.completion,
+                tokens: row.tokens,
+                stopped: row.stopped.unwrap_or(Ending::MaxTokens),
+            }
+        })
+        .collect();
     if args.json {
-        let out = Generation {
+        let out = Output {
             weights: weights.to_string(),
-            prompt: args.prompt.clone(),
-            completion,
-            tokens,
-            stopped,
+            generations,
             timings,
         };
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        // What was held back as an incomplete character stays as decoded.
-        if let Some(rest) = completion.strip_prefix(printed.as_str()) {
-            print!("{rest}");
-        }
-        println!();
         let show = |r: Option<f64>| r.map_or("-".to_string(), |r| format!("{r:.1}"));
         eprintln!(
-            "(prefill {} tokens/s, decode {} tokens/s)",
+            "({} prompt(s); prefill {} tokens/s, decode {} tokens/s)",
+            generations.len(),
             show(timings.prefill_tokens_per_sec),
             show(timings.decode_tokens_per_sec)
         );
@@ -180,14 +264,45 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// Prints what `text` adds to the `printed` text, holding back a trailing replacement character
-/// (a byte-level token that ends inside a UTF-8 sequence, completed by the next one). A text that
-/// rewrites the printed prefix prints nothing more.
-fn stream(text: &str, printed: &mut String) -> Result<()> {
-    let ready = text.trim_end_matches('\u{FFFD}');
-    if let Some(rest) = ready.strip_prefix(printed.as_str())
-        && !rest.is_empty()
-    {
+/// The prompts: each `--prompt`, then the lines of `--prompts`; one empty prompt without either.
+fn prompt_texts(args: &GenerateArgs) -> Result<Vec<String>> {
+    let mut texts = args.prompt.clone();
+    if let Some(file) = &args.prompts {
+        let content = std::fs::read_to_string(file)
+            .map_err(|e| anyhow!("--prompts {}: {e}", file.display()))?;
+        let lines: Vec<String> = content.lines().map(String::from).collect();
+        if lines.is_empty() {
+            bail!("--prompts {}: the file has no lines", file.display());
+        }
+        texts.extend(lines);
+    }
+    if texts.is_empty() {
+        texts.push(String::new());
+    }
+    Ok(texts)
+}
+
+/// What `text` adds to the `printed` text that can be shown now: not a trailing replacement
+/// character (a byte-level token that ends inside a UTF-8 sequence, completed by the next one),
+/// nor an end that may be the start of the `stop` text. Nothing when `text` rewrote the printed
+/// prefix.
+fn unprinted<'a>(text: &'a str, printed: &str, stop: Option<&str>) -> &'a str {
+    let mut ready = text.trim_end_matches('\u{FFFD}');
+    if let Some(stop) = stop {
+        let held = (1..stop.len())
+            .rev()
+            .filter(|&n| stop.is_char_boundary(n))
+            .find(|&n| ready.ends_with(&stop[..n]))
+            .unwrap_or(0);
+        ready = &ready[..ready.len() - held];
+    }
+    ready.strip_prefix(printed).unwrap_or_default()
+}
+
+/// Prints [`unprinted`] and adds it to `printed`.
+fn stream(text: &str, printed: &mut String, stop: Option<&str>) -> Result<()> {
+    let rest = unprinted(text, printed, stop);
+    if !rest.is_empty() {
         print!("{rest}");
         std::io::stdout().flush()?;
         printed.push_str(rest);
@@ -222,58 +337,80 @@ fn check_sampling(args: &GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// The model with its KV cache: logits of the position after the tokens fed so far.
+/// The model with its KV cache: the logits of the position after what each row was fed.
 struct Decoder<'a> {
     model: &'a Model,
-    device: &'a burn::tensor::Device,
-    cache: diffzoo_models::KvCache,
-    /// Positions computed one at a time.
+    device: &'a Device,
+    cache: KvCache,
+    /// Positions computed one at a time (per row).
     steps: usize,
 }
 
 impl<'a> Decoder<'a> {
-    fn new(model: &'a Model, device: &'a burn::tensor::Device) -> Self {
-        Self {
+    /// The prompts in one pass, left-padded to the longest (with `pad`, masked out), each cut to
+    /// its last `max_seq_len` tokens (only `--sliding-window` lets one be longer).
+    fn prefill(
+        model: &'a Model,
+        device: &'a Device,
+        prompts: &[&[u32]],
+        pad: u32,
+    ) -> Result<(Self, Vec<Vec<f32>>)> {
+        let cache = model.cache();
+        let context = cache.capacity();
+        let prompts: Vec<&[u32]> = prompts
+            .iter()
+            .map(|p| &p[p.len().saturating_sub(context)..])
+            .collect();
+        let width = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+        let pads: Vec<usize> = prompts.iter().map(|p| width - p.len()).collect();
+        let cache = match pads.iter().any(|&p| p > 0) {
+            true => cache.with_left_padding(&pads, device),
+            false => cache,
+        };
+        let mut decoder = Self {
             model,
             device,
-            cache: model.cache(),
+            cache,
             steps: 0,
-        }
+        };
+        let ids: Vec<u32> = prompts
+            .iter()
+            .zip(&pads)
+            .flat_map(|(p, &n)| std::iter::repeat_n(pad, n).chain(p.iter().copied()))
+            .collect();
+        let logits = decoder.feed(&ids, prompts.len())?;
+        Ok((decoder, logits))
     }
 
-    /// Feeds `ids` after what the cache holds; the last position's logits.
-    fn feed(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
+    /// Feeds `ids` (`rows` rows of equal length) after what the cache holds; each row's last
+    /// position's logits.
+    fn feed(&mut self, ids: &[u32], rows: usize) -> Result<Vec<Vec<f32>>> {
         let ids: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
-        let n = ids.len();
-        let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, n]), self.device);
+        let n = ids.len() / rows;
+        let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [rows, n]), self.device);
         let logits = self.model.forward_cached(input, &mut self.cache);
         let v = logits.dims()[2];
-        logits
+        let last = logits
             .narrow(1, n - 1, 1)
-            .reshape([v])
+            .reshape([rows * v])
             .into_data()
             .convert::<f32>()
             .try_into_vec::<f32>()
-            .map_err(|e| anyhow!("reading the logits: {e:?}"))
+            .map_err(|e| anyhow!("reading the logits: {e:?}"))?;
+        Ok(last.chunks(v).map(<[f32]>::to_vec).collect())
     }
 
-    /// The prompt in one pass (its last `context` tokens, which only `--sliding-window` lets
-    /// be fewer than all).
-    fn prefill(&mut self, prompt: &[u32], context: usize) -> Result<Vec<f32>> {
-        self.feed(&prompt[prompt.len().saturating_sub(context)..])
-    }
-
-    /// The logits after the newest of `tokens` (which follow `prompt`). Once the cache is full
-    /// (only with `--sliding-window`), the last `context` tokens are computed afresh.
-    fn step(&mut self, prompt: &[u32], tokens: &[u32], context: usize) -> Result<Vec<f32>> {
+    /// The logits after each row's `newest` token. Once the cache is full (only with
+    /// `--sliding-window`, one row), the last `max_seq_len` tokens of `history` (that row's
+    /// prompt and tokens so far) are computed afresh.
+    fn step(&mut self, newest: &[u32], history: &[u32]) -> Result<Vec<Vec<f32>>> {
         self.steps += 1;
-        let newest = &tokens[tokens.len() - 1..];
         if self.cache.len() < self.cache.capacity() {
-            return self.feed(newest);
+            return self.feed(newest, newest.len());
         }
-        let all: Vec<u32> = prompt.iter().chain(tokens).copied().collect();
+        let context = self.cache.capacity();
         self.cache = self.model.cache();
-        self.feed(&all[all.len() - context..])
+        self.feed(&history[history.len() - context..], 1)
     }
 }
 
@@ -291,18 +428,23 @@ fn pick(
             .max_by(|a, b| a.1.total_cmp(b.1))
             .map_or(0, |(i, _)| i as u32)
     };
-    if temperature <= 0.0 {
+    // Greedy, and the limit of sampling when the largest logit is infinite.
+    let top = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if temperature <= 0.0 || !top.is_finite() {
         return argmax(&logits);
     }
     let mut ranked: Vec<(u32, f64)> = logits
         .iter()
         .enumerate()
-        .map(|(i, &l)| (i as u32, l as f64 / temperature))
+        .map(|(i, &l)| (i as u32, l as f64))
         .collect();
     ranked.sort_by(|a, b| b.1.total_cmp(&a.1));
     ranked.truncate(top_k.unwrap_or(ranked.len()).max(1));
-    let max = ranked[0].1;
-    let mut weights: Vec<f64> = ranked.iter().map(|(_, l)| (l - max).exp()).collect();
+    // Shifted before the division, so that the largest weight is exactly 1 at any temperature.
+    let mut weights: Vec<f64> = ranked
+        .iter()
+        .map(|(_, l)| ((l - top as f64) / temperature).exp())
+        .collect();
     if let Some(p) = top_p {
         let total: f64 = weights.iter().sum();
         let mut cumulative = 0.0;
@@ -328,6 +470,29 @@ fn pick(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn streaming_holds_back_split_characters_and_a_possible_stop() {
+        assert_eq!(unprinted("ab\u{FFFD}", "a", None), "b");
+        assert_eq!(unprinted("abé", "ab", None), "é");
+        // "\n\n" may be arriving: a trailing "\n" waits, a completed one would have been cut.
+        assert_eq!(unprinted("ab\n", "a", Some("\n\n")), "b");
+        assert_eq!(unprinted("ab\nc", "ab", Some("\n\n")), "\nc");
+        assert_eq!(unprinted("ab", "ab", Some("END")), "");
+        assert_eq!(unprinted("xyEN", "", Some("END")), "xy");
+        // A decoding that rewrote what was shown adds nothing.
+        assert_eq!(unprinted("ac", "ab", None), "");
+    }
+
+    #[test]
+    fn sampling_survives_extreme_temperatures_and_infinite_logits() {
+        let mut rng = Rng::new(3);
+        assert_eq!(pick(vec![0.5, 2.0, 1.0], 1e-300, None, None, &mut rng), 1);
+        assert_eq!(
+            pick(vec![0.5, f32::INFINITY, 1.0], 0.8, None, None, &mut rng),
+            1
+        );
+    }
 
     #[test]
     fn greedy_takes_the_largest_logit() {

@@ -19,19 +19,19 @@ fn records(run: &Path, split: &str) -> Vec<Value> {
 }
 
 /// `generate` on a micro run (a context of 32): the context is refused before any work unless
-/// a sliding window is asked for, `--stop` cuts the text, bad sampling options are named.
-fn generation_limits_and_stops(run: &Path) {
-    let generate = |extra: &[&str]| -> Value {
-        let mut args = vec![
-            "generate",
-            "--run",
-            path(run),
-            "--prompt",
-            "ROMEO:",
-            "--json",
-        ];
+/// a sliding window is asked for, `--stop` cuts the text, a batch of prompts generates what each
+/// prompt generates alone, bad options are named.
+fn generation_limits_stops_and_batches(run: &Path) {
+    let generate = |extra: &[&str]| -> Vec<Value> {
+        let mut args = vec!["generate", "--run", path(run), "--json"];
         args.extend_from_slice(extra);
-        serde_json::from_str(&ok(&args)).unwrap()
+        let out: Value = serde_json::from_str(&ok(&args)).unwrap();
+        out["generations"].as_array().unwrap().clone()
+    };
+    let one = |extra: &[&str]| -> Value {
+        let mut args = vec!["--prompt", "ROMEO:"];
+        args.extend_from_slice(extra);
+        generate(&args).remove(0)
     };
     let err = fails(&[
         "generate",
@@ -43,29 +43,52 @@ fn generation_limits_and_stops(run: &Path) {
         "30",
     ]);
     assert!(
-        err.contains("the prompt's 6 tokens and --max-tokens 30 exceed the model's context of 32"),
+        err.contains("prompt 1: its 6 tokens and --max-tokens 30 exceed the model's context of 32"),
         "{err}"
     );
-    let long = generate(&[
+    // 6 + 26 positions fill the context exactly; a sliding window goes on past it.
+    let full = one(&["--max-tokens", "26", "--temperature", "0"]);
+    let long = one(&[
         "--max-tokens",
         "45",
         "--sliding-window",
         "--temperature",
         "0",
     ]);
-    if long["stopped"] == "max-tokens" {
-        assert_eq!(long["tokens"].as_array().unwrap().len(), 45, "{long}");
+    let tokens = |v: &Value| v["tokens"].as_array().unwrap().clone();
+    if full["stopped"] == "max-tokens" {
+        assert_eq!(tokens(&long)[..26], tokens(&full)[..], "{long}");
+        assert!(
+            long["stopped"] == "end-of-text" || tokens(&long).len() == 45,
+            "{long}"
+        );
     }
-    let greedy = generate(&["--max-tokens", "12", "--temperature", "0"]);
+    let greedy = one(&["--max-tokens", "12", "--temperature", "0"]);
     let text = greedy["completion"].as_str().unwrap().to_string();
     assert!(text.chars().count() >= 4, "{greedy}");
     let stop: String = text.chars().skip(2).take(2).collect();
-    let cut = generate(&["--max-tokens", "12", "--temperature", "0", "--stop", &stop]);
+    let cut = one(&["--max-tokens", "12", "--temperature", "0", "--stop", &stop]);
     assert_eq!(cut["stopped"], "stop", "{cut}");
     assert_eq!(
         cut["completion"].as_str().unwrap(),
         &text[..text.find(&stop).unwrap()]
     );
+    // Prompts of different lengths (one from a file) in one batch, greedy and sampled.
+    let file = run.join("prompts.txt");
+    std::fs::write(&file, "JULIET: O\nTo be\n").unwrap();
+    for sampling in [["--temperature", "0"], ["--temperature", "0.9"]] {
+        let mut args = vec!["--max-tokens", "8", "--seed", "5", sampling[0], sampling[1]];
+        let alone: Vec<Value> = ["ROMEO:", "JULIET: O", "To be"]
+            .into_iter()
+            .map(|p| {
+                let mut a = args.clone();
+                a.extend(["--prompt", p]);
+                generate(&a).remove(0)
+            })
+            .collect();
+        args.extend(["--prompt", "ROMEO:", "--prompts", path(&file)]);
+        assert_eq!(generate(&args), alone, "{sampling:?}");
+    }
     for (flag, value) in [
         ("--top-p", "1.5"),
         ("--top-k", "0"),
@@ -82,6 +105,22 @@ fn generation_limits_and_stops(run: &Path) {
         ]);
         assert!(err.contains(&format!("{flag} {value}")), "{err}");
     }
+    let err = fails(&["generate", "--run", path(run), "--prompts", "no/such/file"]);
+    assert!(err.contains("--prompts no/such/file"), "{err}");
+    let err = fails(&[
+        "generate",
+        "--run",
+        path(run),
+        "--prompt",
+        "a",
+        "--prompt",
+        "b",
+        "--sliding-window",
+    ]);
+    assert!(
+        err.contains("--sliding-window takes one prompt at a time (2 given)"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -228,25 +267,21 @@ fn train_checkpoint_resume_generate_and_evaluate() {
         ];
         serde_json::from_str(&ok(&args)).unwrap()
     };
-    let generated = generate();
+    let output = generate();
+    let generated = &output["generations"][0];
     let count = generated["tokens"].as_array().unwrap().len();
     match generated["stopped"].as_str().unwrap() {
         "max-tokens" => assert_eq!(count, 12),
         stopped => assert!(stopped == "end-of-text" && count < 12, "{generated}"),
     }
-    assert_eq!(generated["timings"]["prompt_tokens"], 6, "{generated}");
-    assert!(
-        generated["weights"]
-            .as_str()
-            .unwrap()
-            .contains("final model")
-    );
+    assert_eq!(output["timings"]["prompt_tokens"], 6, "{output}");
+    assert!(output["weights"].as_str().unwrap().contains("final model"));
     assert_eq!(
-        generated["completion"],
-        generate()["completion"],
+        output["generations"],
+        generate()["generations"],
         "deterministic by seed"
     );
-    generation_limits_and_stops(&whole);
+    generation_limits_stops_and_batches(&whole);
     // A new run initialised from this one starts where it ended.
     let init = tmp.path().join("init");
     let whole_arg = format!("training.init_from={}", path(&whole));
