@@ -120,6 +120,8 @@ enum RecipeCommand {
 enum EvalCommand {
     /// Validation loss and perplexity.
     Ppl(eval::ppl::PplArgs),
+    /// Zero-shot multiple-choice accuracy from JSONL questions (Table 1's tasks).
+    Choice(eval::choice::ChoiceArgs),
     /// Cumulative average NLL by position in the context (Fig. 4).
     NllPosition(eval::position::PositionArgs),
     /// Multi-needle retrieval accuracy (Table 2, Fig. 5).
@@ -171,6 +173,7 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Generate(args) => generate::run(&args),
         Command::Eval { command } => match command {
             EvalCommand::Ppl(args) => eval::ppl::run(&args),
+            EvalCommand::Choice(args) => eval::choice::run(&args),
             EvalCommand::NllPosition(args) => eval::position::run(&args),
             EvalCommand::Needle(args) => eval::needle::run(&args),
             EvalCommand::Attention(args) => eval::attention::run(&args),

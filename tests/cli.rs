@@ -445,6 +445,133 @@ fn prepared_shards_train_a_model() {
     assert_eq!(records(&run, "train").len(), 4);
 }
 
+/// `eval choice` on a micro model trained on eight facts ("The cat is red.", …) against the same
+/// model after one step: each question offers the right colour and three others (chance: 0.25),
+/// in our line shape and in the harness's; a malformed line is named by file and line.
+#[test]
+fn multiple_choice_rewards_what_the_model_learned() {
+    const ANIMALS: [&str; 8] = ["cat", "dog", "cow", "hen", "fox", "owl", "pig", "bee"];
+    const COLOURS: [&str; 8] = [
+        "red", "blue", "green", "black", "white", "pink", "gray", "brown",
+    ];
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("facts");
+    std::fs::create_dir_all(&input).unwrap();
+    for doc in 0..40 {
+        let text: Vec<String> = (0..60)
+            .map(|k| (doc * 7 + k * 5 + k / 8) % 8)
+            .map(|i| format!("The {} is {}.", ANIMALS[i], COLOURS[i]))
+            .collect();
+        std::fs::write(input.join(format!("doc{doc}.txt")), text.join(" ")).unwrap();
+    }
+    let shards = tmp.path().join("shards");
+    ok(&[
+        "data",
+        "prepare",
+        "--input",
+        path(&input),
+        "--vocab-size",
+        "300",
+        "--out",
+        path(&shards),
+        "--validation-every",
+        "5",
+    ]);
+    let recipe = std::fs::read_to_string(recipes_dir().join("micro.toml"))
+        .unwrap()
+        .replace("tokenizer = \"bpe\"\n", "")
+        .replace(
+            "corpus = \"embedded\"",
+            &format!("corpus = {:?}", path(&shards)),
+        )
+        .replace("vocab_size = 512", "vocab_size = 300");
+    let recipe_file = tmp.path().join("facts.toml");
+    std::fs::write(&recipe_file, recipe).unwrap();
+    let (mut ours, mut harness) = (String::new(), String::new());
+    for (i, animal) in ANIMALS.iter().enumerate() {
+        let gold = i % 4;
+        let mut choices: Vec<String> = (1..4)
+            .map(|d| format!(" {}.", COLOURS[(i + d) % 8]))
+            .collect();
+        choices.insert(gold, format!(" {}.", COLOURS[i]));
+        let context = format!("The {animal} is");
+        ours += &format!(
+            "{}\n",
+            serde_json::json!({"context": context, "choices": choices, "gold": gold})
+        );
+        let arguments: serde_json::Map<String, Value> = choices
+            .iter()
+            .enumerate()
+            .map(|(j, c)| {
+                (
+                    format!("gen_args_{j}"),
+                    serde_json::json!({"arg_0": context, "arg_1": c}),
+                )
+            })
+            .collect();
+        harness += &format!(
+            "{}\n",
+            serde_json::json!({"doc_id": i, "arguments": arguments, "target": gold.to_string()})
+        );
+    }
+    let (a, b) = (
+        tmp.path().join("ours.jsonl"),
+        tmp.path().join("samples_facts.jsonl"),
+    );
+    std::fs::write(&a, ours).unwrap();
+    std::fs::write(&b, harness).unwrap();
+    let accuracy = |steps: &str| {
+        let run = tmp.path().join(format!("run-{steps}"));
+        ok(&[
+            "train",
+            "--recipe",
+            path(&recipe_file),
+            "--out",
+            path(&run),
+            "--set",
+            &format!("training.steps={steps}"),
+            "--set",
+            "schedule.warmup_steps=0",
+        ]);
+        let out = json(&[
+            "eval",
+            "choice",
+            "--run",
+            path(&run),
+            "--data",
+            path(&a),
+            "--data",
+            path(&b),
+            "--json",
+        ]);
+        let files = out["files"].as_array().unwrap().clone();
+        assert_eq!(files.len(), 2, "{out}");
+        assert_eq!(files[0]["questions"], 8, "{out}");
+        for key in ["acc", "acc_stderr", "acc_norm", "acc_norm_stderr"] {
+            assert_eq!(
+                files[0][key], files[1][key],
+                "both shapes score alike: {out}"
+            );
+        }
+        (files[0]["acc"].as_f64().unwrap(), run)
+    };
+    let (untrained, _) = accuracy("1");
+    let (trained, run) = accuracy("100");
+    assert!(untrained <= 0.5, "one step: {untrained}");
+    assert!(trained >= 0.875, "100 steps: {trained}");
+    let bad = tmp.path().join("bad.jsonl");
+    std::fs::write(
+        &bad,
+        "{\"context\": \"a\", \"choices\": [\" b\", \" c\"], \"gold\": 0}\n{\"context\": 1}\n",
+    )
+    .unwrap();
+    let err = fails(&["eval", "choice", "--run", path(&run), "--data", path(&bad)]);
+    assert!(
+        err.contains(&format!("{}:2: expected `context`", bad.display())),
+        "{err}"
+    );
+}
+
 fn recipes_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("recipes")
 }

@@ -4,6 +4,7 @@
 //! | task           | what it measures                                            | paper       |
 //! |----------------|-------------------------------------------------------------|-------------|
 //! | `ppl`          | validation loss and perplexity                              |             |
+//! | `choice`       | zero-shot multiple-choice accuracy (LM Eval Harness scoring) | Table 1    |
 //! | `nll-position` | cumulative average NLL by token position                    | Fig. 4      |
 //! | `needle`       | multi-needle retrieval accuracy per (N, R, depth, length)   | Table 2, Fig. 5 |
 //! | `attention`    | attention on the answer span versus the rest of the context | Table 3     |
@@ -12,6 +13,7 @@
 //! | `lambda`       | λ of every layer across the run's checkpoints               |             |
 
 pub mod attention;
+pub mod choice;
 pub mod compare;
 pub mod lambda;
 pub mod needle;
