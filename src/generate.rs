@@ -2,20 +2,21 @@
 //!
 //! The prompts are prefilled in one pass, then each new token costs one position of attention
 //! against the cached keys and values (`diffzoo_models::cache`). Several prompts (`--prompt`
-//! repeated, `--prompts FILE`) run as one batch, left-padded to the longest with the padding
-//! masked out, each sampling from its own generator seeded with `--seed`: a batch generates what
-//! each of its prompts generates alone. A prompt plus `--max-tokens` must fit the model's context
+//! repeated, `--prompts FILE`) run in batches of `--batch-size`, left-padded to the longest with
+//! the padding masked out, each sampling from its own generator seeded with `--seed`: a batch
+//! generates what each of its prompts generates alone (to rounding: padded rows sit at other
+//! absolute positions, which RoPE's relative angles make equal only up to float error). A prompt plus `--max-tokens` must fit the model's context
 //! (`max_seq_len`); beyond it `--sliding-window` (one prompt) recomputes the last `max_seq_len`
 //! tokens for every further token, as a model without a cache would. Sampling: greedy at
 //! temperature 0, else the temperature's softmax restricted to the `--top-k` most likely tokens
 //! and then to the smallest set whose probability reaches `--top-p`. A prompt stops at the
-//! end-of-text token, at `--stop`, or after `--max-tokens`.
+//! end-of-text token (unless `--ignore-eot`), at `--stop`, or after `--max-tokens`.
 
 use crate::{device, run};
 use anyhow::{Result, anyhow, bail};
 use burn::tensor::Device;
 use burn::tensor::{Int, Tensor, TensorData};
-use diffzoo_datasets::Rng;
+use diffzoo_datasets::{Rng, TextTokenizer};
 use diffzoo_models::{KvCache, Model};
 use serde::Serialize;
 use std::io::Write;
@@ -47,17 +48,24 @@ pub struct GenerateArgs {
     /// Stop once the completion contains this text (it is cut there).
     #[arg(long)]
     pub stop: Option<String>,
+    /// Prompts decoded together (a longer list runs in batches of this many).
+    #[arg(long, default_value_t = 16)]
+    pub batch_size: usize,
+    /// Go on past the end-of-text token (benchmarks generate a fixed number of tokens).
+    #[arg(long)]
+    pub ignore_eot: bool,
     /// Go on past the model's context (one prompt): every further token recomputes the last
     /// max_seq_len.
     #[arg(long)]
     pub sliding_window: bool,
     /// Each prompt samples from its own generator seeded with this: a batch samples as each of
-    /// its prompts would alone.
+    /// its prompts would alone (a prompt given twice gives one completion twice).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long, default_value = "cpu")]
     pub device: String,
-    /// Print one JSON object (tokens, text, timings) instead of the text.
+    /// Print one JSON object (each prompt's tokens, text and ending; the timings) instead of the
+    /// text.
     #[arg(long)]
     pub json: bool,
 }
@@ -162,60 +170,14 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         eprintln!("({weights})");
         print!("{}", texts[0]);
     }
-    let started = Instant::now();
-    let prompts: Vec<&[u32]> = rows.iter().map(|r| r.prompt.as_slice()).collect();
-    let (mut decoder, mut logits) = Decoder::prefill(&model, &device, &prompts, eot)?;
-    let prefill_seconds = started.elapsed().as_secs_f64();
-    let decoding = Instant::now();
-    for step in 1..=args.max_tokens {
-        for (row, logits) in rows.iter_mut().zip(logits) {
-            if row.stopped.is_some() {
-                continue;
-            }
-            let next = pick(
-                logits,
-                args.temperature,
-                args.top_k,
-                args.top_p,
-                &mut row.rng,
-            );
-            if next == eot {
-                row.stopped = Some(Ending::EndOfText);
-                continue;
-            }
-            row.tokens.push(next);
-            let text = tokenizer.decode(&row.tokens)?;
-            let cut = args.stop.as_ref().and_then(|stop| text.find(stop.as_str()));
-            row.completion = cut.map_or(text.as_str(), |at| &text[..at]).to_string();
-            if stream_one {
-                stream(&row.completion, &mut row.printed, args.stop.as_deref())?;
-            }
-            if cut.is_some() {
-                row.stopped = Some(Ending::StopText);
-            }
-        }
-        if step == args.max_tokens || rows.iter().all(|r| r.stopped.is_some()) {
-            break;
-        }
-        // A finished row is fed end-of-text; its logits are not read.
-        let newest: Vec<u32> = rows
-            .iter()
-            .map(|r| match r.stopped {
-                None => r.tokens.last().copied().unwrap_or(eot),
-                Some(_) => eot,
-            })
-            .collect();
-        let history: Vec<u32> = rows[0]
-            .prompt
-            .iter()
-            .chain(&rows[0].tokens)
-            .copied()
-            .collect();
-        logits = decoder.step(&newest, &history)?;
+    let (mut prefill_seconds, mut decode_seconds, mut decode_tokens) = (0.0, 0.0, 0);
+    for batch in rows.chunks_mut(args.batch_size) {
+        let timed = generate_batch(args, &model, &device, &tokenizer, batch, stream_one)?;
+        prefill_seconds += timed.0;
+        decode_seconds += timed.1;
+        decode_tokens += timed.2 * batch.len();
     }
-    let decode_seconds = decoding.elapsed().as_secs_f64();
     let prompt_tokens = rows.iter().map(|r| r.prompt.len().min(context)).sum();
-    let decode_tokens = decoder.steps * rows.len();
     let timings = Timings {
         prompt_tokens,
         prefill_seconds,
@@ -262,6 +224,74 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Generates for one batch of rows: its prefill and decoding seconds and the decoding steps.
+fn generate_batch(
+    args: &GenerateArgs,
+    model: &Model,
+    device: &Device,
+    tokenizer: &TextTokenizer,
+    rows: &mut [Row],
+    stream_one: bool,
+) -> Result<(f64, f64, usize)> {
+    let eot = tokenizer.eot_id();
+    let started = Instant::now();
+    let prompts: Vec<&[u32]> = rows.iter().map(|r| r.prompt.as_slice()).collect();
+    let (mut decoder, mut logits) = Decoder::prefill(model, device, &prompts, eot)?;
+    let prefill_seconds = started.elapsed().as_secs_f64();
+    let decoding = Instant::now();
+    for step in 1..=args.max_tokens {
+        for (row, logits) in rows.iter_mut().zip(logits) {
+            if row.stopped.is_some() {
+                continue;
+            }
+            let next = pick(
+                logits,
+                args.temperature,
+                args.top_k,
+                args.top_p,
+                &mut row.rng,
+            );
+            if next == eot && !args.ignore_eot {
+                row.stopped = Some(Ending::EndOfText);
+                continue;
+            }
+            row.tokens.push(next);
+            let text = tokenizer.decode(&row.tokens)?;
+            let cut = args.stop.as_ref().and_then(|stop| text.find(stop.as_str()));
+            row.completion = cut.map_or(text.as_str(), |at| &text[..at]).to_string();
+            if stream_one {
+                stream(&row.completion, &mut row.printed, args.stop.as_deref())?;
+            }
+            if cut.is_some() {
+                row.stopped = Some(Ending::StopText);
+            }
+        }
+        if step == args.max_tokens || rows.iter().all(|r| r.stopped.is_some()) {
+            break;
+        }
+        // A finished row is fed end-of-text; its logits are not read.
+        let newest: Vec<u32> = rows
+            .iter()
+            .map(|r| match r.stopped {
+                None => r.tokens.last().copied().unwrap_or(eot),
+                Some(_) => eot,
+            })
+            .collect();
+        let history: Vec<u32> = rows[0]
+            .prompt
+            .iter()
+            .chain(&rows[0].tokens)
+            .copied()
+            .collect();
+        logits = decoder.step(&newest, &history)?;
+    }
+    Ok((
+        prefill_seconds,
+        decoding.elapsed().as_secs_f64(),
+        decoder.steps,
+    ))
 }
 
 /// The prompts: each `--prompt`, then the lines of `--prompts`; one empty prompt without either.
@@ -317,6 +347,9 @@ fn rate(tokens: usize, seconds: f64) -> Option<f64> {
 
 /// Sampling options outside their ranges are refused by name.
 fn check_sampling(args: &GenerateArgs) -> Result<()> {
+    if args.batch_size == 0 {
+        bail!("--batch-size 0: expected at least 1");
+    }
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
         bail!(
             "--temperature {}: expected a finite value ≥ 0",
@@ -428,6 +461,11 @@ fn pick(
             .max_by(|a, b| a.1.total_cmp(b.1))
             .map_or(0, |(i, _)| i as u32)
     };
+    // A NaN logit is no candidate.
+    let logits: Vec<f32> = logits
+        .into_iter()
+        .map(|l| if l.is_nan() { f32::NEG_INFINITY } else { l })
+        .collect();
     // Greedy, and the limit of sampling when the largest logit is infinite.
     let top = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     if temperature <= 0.0 || !top.is_finite() {
@@ -492,6 +530,16 @@ mod tests {
             pick(vec![0.5, f32::INFINITY, 1.0], 0.8, None, None, &mut rng),
             1
         );
+        for temperature in [0.0, 1.0] {
+            let got = pick(
+                vec![f32::NAN, 0.5, 2.0],
+                temperature,
+                Some(1),
+                None,
+                &mut rng,
+            );
+            assert_eq!(got, 2, "a NaN logit is never picked");
+        }
     }
 
     #[test]

@@ -46,23 +46,20 @@ fn generation_limits_stops_and_batches(run: &Path) {
         err.contains("prompt 1: its 6 tokens and --max-tokens 30 exceed the model's context of 32"),
         "{err}"
     );
-    // 6 + 26 positions fill the context exactly; a sliding window goes on past it.
-    let full = one(&["--max-tokens", "26", "--temperature", "0"]);
+    // 6 + 26 tokens are the context's 32; a sliding window goes on past it.
+    let full = one(&["--max-tokens", "26", "--temperature", "0", "--ignore-eot"]);
     let long = one(&[
         "--max-tokens",
         "45",
         "--sliding-window",
         "--temperature",
         "0",
+        "--ignore-eot",
     ]);
     let tokens = |v: &Value| v["tokens"].as_array().unwrap().clone();
-    if full["stopped"] == "max-tokens" {
-        assert_eq!(tokens(&long)[..26], tokens(&full)[..], "{long}");
-        assert!(
-            long["stopped"] == "end-of-text" || tokens(&long).len() == 45,
-            "{long}"
-        );
-    }
+    assert_eq!(tokens(&full).len(), 26, "{full}");
+    assert_eq!(tokens(&long).len(), 45, "{long}");
+    assert_eq!(tokens(&long)[..26], tokens(&full)[..], "{long}");
     let greedy = one(&["--max-tokens", "12", "--temperature", "0"]);
     let text = greedy["completion"].as_str().unwrap().to_string();
     assert!(text.chars().count() >= 4, "{greedy}");
@@ -77,7 +74,15 @@ fn generation_limits_stops_and_batches(run: &Path) {
     let file = run.join("prompts.txt");
     std::fs::write(&file, "JULIET: O\nTo be\n").unwrap();
     for sampling in [["--temperature", "0"], ["--temperature", "0.9"]] {
-        let mut args = vec!["--max-tokens", "8", "--seed", "5", sampling[0], sampling[1]];
+        let mut args = vec![
+            "--max-tokens",
+            "8",
+            "--seed",
+            "5",
+            "--ignore-eot",
+            sampling[0],
+            sampling[1],
+        ];
         let alone: Vec<Value> = ["ROMEO:", "JULIET: O", "To be"]
             .into_iter()
             .map(|p| {
@@ -86,8 +91,16 @@ fn generation_limits_stops_and_batches(run: &Path) {
                 generate(&a).remove(0)
             })
             .collect();
+        assert!(
+            alone
+                .iter()
+                .all(|g| g["tokens"].as_array().unwrap().len() == 8)
+        );
         args.extend(["--prompt", "ROMEO:", "--prompts", path(&file)]);
         assert_eq!(generate(&args), alone, "{sampling:?}");
+        // Batches of two: the third prompt alone in the second.
+        args.extend(["--batch-size", "2"]);
+        assert_eq!(generate(&args), alone, "{sampling:?} in batches of 2");
     }
     for (flag, value) in [
         ("--top-p", "1.5"),
@@ -568,6 +581,16 @@ fn multiple_choice_rewards_what_the_model_learned() {
     let err = fails(&["eval", "choice", "--run", path(&run), "--data", path(&bad)]);
     assert!(
         err.contains(&format!("{}:2: expected `context`", bad.display())),
+        "{err}"
+    );
+    let long = tmp.path().join("long.jsonl");
+    let choice = " the cat is red.".repeat(12);
+    let line =
+        serde_json::json!({"context": "The cat is", "choices": [" red.", choice], "gold": 0});
+    std::fs::write(&long, format!("{line}\n")).unwrap();
+    let err = fails(&["eval", "choice", "--run", path(&run), "--data", path(&long)]);
+    assert!(
+        err.contains("question 1") && err.contains("more than the model's context of 32"),
         "{err}"
     );
 }

@@ -54,6 +54,13 @@ impl LayerCache {
         let [b, h_k, s, d_k] = k.dims();
         let [_, h_v, _, d_v] = v.dims();
         assert_room(self.len, s, self.capacity);
+        if let Some(padding) = &self.padding {
+            assert_eq!(
+                padding.dims()[0],
+                b,
+                "KV cache: the padding was given for another batch size"
+            );
+        }
         let end = self.len + s;
         let [keys, values] = self.stored.take().unwrap_or_else(|| {
             let zeros =

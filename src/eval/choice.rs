@@ -18,9 +18,11 @@
 //! the harness, whitespace that ends the context moves to the start of the choice, the context is
 //! tokenized alone and the choice as what `context + choice` adds after it, an empty context
 //! starts from the end-of-text token, and a pair longer than the model's context keeps its last
-//! `max_seq_len + 1` tokens. A context runs once; each of its choices continues from its KV cache.
-//! `acc` takes the best score, `acc_norm` the best score per byte of the choice; each comes with
-//! the standard error of its mean over the questions.
+//! `max_seq_len + 1` tokens (a choice longer than the model's context is refused, as the harness
+//! asserts). A context runs once; each of its choices continues from its KV cache. `acc` takes
+//! the best score, `acc_norm` the best score per character of the choice (without its joining
+//! space, as the harness counts); each comes with the standard error of its mean over the
+//! questions. With a context per choice (WinoGrande) the harness reports `acc` alone.
 
 use super::{Common, emit};
 use crate::{device, run};
@@ -37,8 +39,8 @@ use std::path::{Path, PathBuf};
 pub struct ChoiceArgs {
     #[command(flatten)]
     pub common: Common,
-    /// JSONL files of questions (see `diffzoo eval choice --help` and the README); each is
-    /// scored on its own.
+    /// JSONL files of questions, one per line: {"context": …, "choices": […], "gold": i} or a line
+    /// of LM Evaluation Harness's --log_samples output; each file is scored on its own.
     #[arg(long, required = true)]
     pub data: Vec<PathBuf>,
     /// Score at most this many questions of each file.
@@ -93,8 +95,7 @@ pub fn run(args: &ChoiceArgs) -> Result<()> {
         for (i, q) in questions.iter().enumerate() {
             let scores = score_question(&model, &tokenizer, q, &device)
                 .with_context(|| format!("{}: question {}", file.display(), i + 1))?;
-            let bytes: Vec<f64> = q.choices.iter().map(|c| c.len().max(1) as f64).collect();
-            let norm: Vec<f64> = scores.iter().zip(&bytes).map(|(s, b)| s / b).collect();
+            let norm = normalised(&scores, &q.choices);
             correct.push(argmax(&scores) == q.gold);
             correct_norm.push(argmax(&norm) == q.gold);
         }
@@ -159,7 +160,8 @@ fn parse_question(line: &Value) -> Result<Question> {
         let target = object
             .get("target")
             .ok_or_else(|| anyhow!("`target` is missing"))?;
-        (contexts, choices, index(target, "target")?)
+        let gold = harness_gold(target, object.get("doc"), &choices)?;
+        (contexts, choices, gold)
     } else {
         let context = object
             .get("context")
@@ -228,6 +230,30 @@ fn harness_requests(arguments: &Value) -> Result<(Vec<String>, Vec<String>)> {
     Ok((contexts, choices))
 }
 
+/// The gold index of a harness line: `target` as an index, else (WinoGrande, whose target is the
+/// shared continuation) the document's 1-based `answer`, else the one choice equal to `target`.
+fn harness_gold(target: &Value, doc: Option<&Value>, choices: &[String]) -> Result<usize> {
+    if let Ok(i) = index(target, "target") {
+        return Ok(i);
+    }
+    let answer = doc
+        .and_then(|d| d.get("answer"))
+        .and_then(|a| index(a, "doc.answer").ok());
+    if let Some(answer) = answer.filter(|&a| a >= 1) {
+        return Ok(answer - 1);
+    }
+    let text = target.as_str().unwrap_or_default().trim();
+    let matching: Vec<usize> = (0..choices.len())
+        .filter(|&i| choices[i].trim() == text)
+        .collect();
+    match matching[..] {
+        [i] => Ok(i),
+        _ => bail!(
+            "`target` = {target}: neither an index, nor one of the choices, and no `doc.answer`"
+        ),
+    }
+}
+
 /// A gold index: a non-negative integer or a string of digits.
 fn index(value: &Value, key: &str) -> Result<usize> {
     let parsed = match value {
@@ -259,16 +285,15 @@ pub fn score_question(
         // Whitespace ending the context belongs to the choice.
         let context = raw.trim_end();
         let moved = &raw[context.len()..];
-        let context_ids = if context.is_empty() {
+        // An empty context (or one a tokenizer maps to nothing) starts from end-of-text.
+        let encoded = tokenizer.encode(context)?;
+        let known = encoded.len();
+        let context_ids = if encoded.is_empty() {
             vec![tokenizer.eot_id()]
         } else {
-            tokenizer.encode(context)?
+            encoded
         };
-        let known = if context.is_empty() {
-            0
-        } else {
-            context_ids.len()
-        };
+        let capacity = model.cache().capacity();
         let continuations = group
             .iter()
             .map(|&i| {
@@ -277,6 +302,13 @@ pub fn score_question(
                 let ids = whole.get(known..).unwrap_or_default().to_vec();
                 if ids.is_empty() {
                     bail!("choice {i} adds no token to its context");
+                }
+                if ids.len() > capacity {
+                    bail!(
+                        "choice {i} is {} tokens, more than the model's context of {capacity} \
+                         can score",
+                        ids.len()
+                    );
                 }
                 Ok(ids)
             })
@@ -356,6 +388,16 @@ fn summed_log_probs(logits: Tensor<3>, targets: &[u32], device: &Device) -> f64 
 fn ids(tokens: &[u32], device: &Device) -> Tensor<2, Int> {
     let values: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
     Tensor::from_data(TensorData::new(values, [1, tokens.len()]), device)
+}
+
+/// Scores per character of each choice, without the leading space that joins it to the context
+/// (the harness's `acc_norm` length).
+fn normalised(scores: &[f64], choices: &[String]) -> Vec<f64> {
+    scores
+        .iter()
+        .zip(choices)
+        .map(|(s, c)| s / c.strip_prefix(' ').unwrap_or(c).chars().count().max(1) as f64)
+        .collect()
 }
 
 /// Index of the largest value (the first of equals).
@@ -452,6 +494,17 @@ mod tests {
         let q = parse_question(&partial).unwrap();
         assert_eq!(q.contexts, ["The trophy", "The case"]);
         assert_eq!(q.choices, [" did not fit.", " did not fit."]);
+        // As the harness writes it: the target is the continuation, the answer in the document.
+        let winogrande = serde_json::json!({
+            "doc": {"sentence": "…", "option1": "The trophy", "option2": "The case", "answer": "2"},
+            "arguments": [["The trophy", " did not fit."], ["The case", " did not fit."]],
+            "target": "did not fit."
+        });
+        assert_eq!(parse_question(&winogrande).unwrap().gold, 1);
+        // A target naming a choice.
+        let named =
+            serde_json::json!({"arguments": [["Q:", " yes"], ["Q:", " no"]], "target": "no"});
+        assert_eq!(parse_question(&named).unwrap().gold, 1);
     }
 
     #[test]
@@ -510,5 +563,9 @@ mod tests {
         assert!((stderr - 0.25).abs() < 1e-12);
         assert_eq!(mean_and_stderr(&[true]), (1.0, 0.0));
         assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
+        // Per character without the joining space: −1/1 < −2.5/3, so the longer choice wins.
+        let norm = normalised(&[-1.0, -2.5], &[" a".into(), " abc".into()]);
+        assert_eq!(argmax(&norm), 1);
+        assert_eq!(normalised(&[-2.0], &["é".into()]), [-2.0]);
     }
 }
