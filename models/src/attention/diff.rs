@@ -147,12 +147,8 @@ impl DiffAttention {
         self.lambda().cast(dtype).reshape([1, 1, 1, 1])
     }
 
-    pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
-        self.attend(x, rope, None)
-    }
-
-    /// The forward pass, after the positions in `cache` when there is one.
-    pub(crate) fn attend(
+    /// `x` `[B, S, d_model]` → `[B, S, d_model]`, after the positions in `cache` when there is one.
+    pub fn forward(
         &self,
         x: Tensor<3>,
         rope: &RotaryEncoding,

@@ -100,13 +100,9 @@ impl DiffV2Attention {
         first - second * lambda
     }
 
-    pub fn forward(&self, x: Tensor<3>, rope: &RotaryEncoding) -> Tensor<3> {
-        self.attend(x, rope, None)
-    }
-
-    /// The forward pass, after the positions in `cache` when there is one (λ needs only this
-    /// step's tokens).
-    pub(crate) fn attend(
+    /// `x` `[B, S, d_model]` → `[B, S, d_model]`, after the positions in `cache` when there is
+    /// one (λ needs only this step's tokens).
+    pub fn forward(
         &self,
         x: Tensor<3>,
         rope: &RotaryEncoding,

@@ -84,9 +84,9 @@ impl Attention {
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
         match self {
-            Self::Transformer(a) => a.attend(x, rope, cache),
-            Self::Diff(a) => a.attend(x, rope, cache),
-            Self::DiffV2(a) => a.attend(x, rope, cache),
+            Self::Transformer(a) => a.forward(x, rope, cache),
+            Self::Diff(a) => a.forward(x, rope, cache),
+            Self::DiffV2(a) => a.forward(x, rope, cache),
         }
     }
 
