@@ -2,8 +2,9 @@
 # Generation speed on the CPU: diffzoo's KV-cache decoding beside transformers' `generate` with
 # its cache, on the same weights, prompt and number of new tokens, measured in one run.
 # Each variant is the tiny recipe's model (d 256, 4 layers) after one training step, exported
-# with `diffzoo export hf`; `diffzoo generate --temperature 0 --ignore-eot --json` (median of
-# --reps runs) and bench/generate_hf.py give prefill and decode tokens/s. One JSON line per
+# with `diffzoo export hf`; `diffzoo generate --temperature 0 --ignore-eot --warmup 1 --json`
+# (median of 3 runs) and bench/generate_hf.py (one untimed call each, median of 3) give prefill
+# and decode tokens/s. One JSON line per
 # variant in target/bench-generate.jsonl, with diffzoo / transformers ratios and each variant's
 # decode time per token over the baseline's.
 #   bash bench/generate.sh [NEW_TOKENS] [PROMPT_REPEATS] [VARIANTS]
@@ -36,7 +37,7 @@ for variant in $variants; do
     "$diffzoo" export hf "$run" --out "$run-hf" >/dev/null
     for _ in $(seq "$reps"); do
         "$diffzoo" generate --run "$run" --prompt "$prompt" --max-tokens "$new_tokens" \
-            --temperature 0 --ignore-eot --json
+            --temperature 0 --ignore-eot --warmup 1 --json
     done | jq -s '{
         prompt_tokens: .[0].timings.prompt_tokens,
         tokens: .[0].generations[0].tokens,

@@ -51,6 +51,9 @@ pub struct GenerateArgs {
     /// Prompts decoded together (a longer list runs in batches of this many).
     #[arg(long, default_value_t = 16)]
     pub batch_size: usize,
+    /// Untimed prefills of the first prompt before generating (benchmarks time a warm process).
+    #[arg(long, default_value_t = 0)]
+    pub warmup: usize,
     /// Go on past the end-of-text token (benchmarks generate a fixed number of tokens).
     #[arg(long)]
     pub ignore_eot: bool,
@@ -169,6 +172,14 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     if stream_one {
         eprintln!("({weights})");
         print!("{}", texts[0]);
+    }
+    for _ in 0..args.warmup {
+        Decoder::prefill(
+            &model,
+            &device,
+            &[rows[0].prompt.as_slice()],
+            tokenizer.eot_id(),
+        )?;
     }
     let (mut prefill_seconds, mut decode_seconds, mut decode_tokens) = (0.0, 0.0, 0);
     for batch in rows.chunks_mut(args.batch_size) {
