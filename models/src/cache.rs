@@ -46,11 +46,16 @@ impl LayerCache {
     }
 
     /// Writes this step's `k` `[B, H_k, S, d_k]` and `v` `[B, H_v, S, d_v]` after the cached ones and
-    /// returns the keys and values of every position so far.
+    /// returns the keys and values of every position so far, with the step's mask when there is
+    /// padding ([`LayerCache::step_mask`]).
     ///
     /// # Panics
     /// If the step would pass the capacity or its shapes differ from the first step's.
-    pub(crate) fn append(&mut self, k: Tensor<4>, v: Tensor<4>) -> [Tensor<4>; 2] {
+    pub(crate) fn append(
+        &mut self,
+        k: Tensor<4>,
+        v: Tensor<4>,
+    ) -> ([Tensor<4>; 2], Option<Tensor<4, Bool>>) {
         let [b, h_k, s, d_k] = k.dims();
         let [_, h_v, _, d_v] = v.dims();
         assert_room(self.len, s, self.capacity);
@@ -82,16 +87,14 @@ impl LayerCache {
             values.clone().narrow(2, 0, end),
         ];
         self.stored = Some([keys, values]);
-        seen
+        (seen, self.step_mask(s))
     }
-}
 
-impl LayerCache {
     /// With left padding, the mask of the last step's `s` queries over the keys so far,
     /// `[B, 1, S, T]`, true where a query may not look: later positions, and padding (a padding
     /// query sees itself alone, so that its row stays finite). `None` without padding: the causal
     /// mask alone, which attention derives from the shapes.
-    pub(crate) fn step_mask(&self, s: usize) -> Option<Tensor<4, Bool>> {
+    fn step_mask(&self, s: usize) -> Option<Tensor<4, Bool>> {
         let padding = self.padding.as_ref()?;
         let (b, t) = (padding.dims()[0], self.len);
         let past = (t - s) as i64;

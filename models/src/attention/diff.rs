@@ -21,8 +21,8 @@
 //! result by linearity; the gradients of the maps and of λ are in [`super::flash`]).
 
 use super::{
-    AttentionProbe, causal_attention, causal_logits, merge_heads, projection, repeat_kv,
-    rotary_heads, split_heads, start, with_cached,
+    AttentionProbe, StepQkv, causal_attention, causal_logits, merge_heads, projection, repeat_kv,
+    step_qkv,
 };
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig, lambda_init};
@@ -103,23 +103,12 @@ impl DiffAttention {
 
     /// Q `[B, 2H', S, d]` (half-head `2h + c` is head h's Q_{c+1}), and K `[B, 2H', T, d]` lined
     /// up with it (GQA-repeated) and V `[B, H', T, 2d]` of the T positions so far: this step's S,
-    /// after those in `cache`.
-    fn qkv(
-        &self,
-        x: Tensor<3>,
-        rope: &RotaryEncoding,
-        cache: Option<&mut LayerCache>,
-    ) -> [Tensor<4>; 3] {
-        let (n_rep, start) = (self.heads / self.kv_heads, start(&cache));
-        let q = rotary_heads(self.q_proj.forward(x.clone()), 2 * self.heads, rope, start);
-        let k = rotary_heads(
-            self.k_proj.forward(x.clone()),
-            2 * self.kv_heads,
-            rope,
-            start,
-        );
-        let v = split_heads(self.v_proj.forward(x), self.kv_heads);
-        let [k, v] = with_cached(k, v, cache);
+    /// after those in `cache`; with the step's padding mask.
+    fn qkv(&self, x: Tensor<3>, rope: &RotaryEncoding, cache: Option<&mut LayerCache>) -> StepQkv {
+        let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let heads = [2 * self.heads, 2 * self.kv_heads, self.kv_heads];
+        let ([q, k, v], mask) = step_qkv(x, projections, heads, rope, cache);
+        let n_rep = self.heads / self.kv_heads;
         // Query half (h, c) meets key half (h / n_rep, c): fold each kv head's two halves into one
         // "head" of 2S rows, so that repeating heads keeps the pair together.
         let k = if n_rep == 1 {
@@ -133,7 +122,7 @@ impl DiffAttention {
                 d,
             ])
         };
-        [q, k, repeat_kv(v, n_rep)]
+        ([q, k, repeat_kv(v, n_rep)], mask)
     }
 
     /// `(1 − λ_init)·subln(heads)`, merged and projected.
@@ -152,17 +141,16 @@ impl DiffAttention {
         &self,
         x: Tensor<3>,
         rope: &RotaryEncoding,
-        mut cache: Option<&mut LayerCache>,
+        cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
-        let (dtype, s) = (x.dtype(), x.dims()[1]);
-        let [q, k, v] = self.qkv(x, rope, cache.as_deref_mut());
-        let mask = cache.and_then(|c| c.step_mask(s));
+        let dtype = x.dtype();
+        let ([q, k, v], mask) = self.qkv(x, rope, cache);
         let lambda = self.lambda_as(dtype);
         // A decoding step (keys beyond its queries) takes the explicit path too: the others would
         // copy the cached V for both half-heads at every step.
         let explicit = self.implementation == AttentionImpl::Explicit
             || self.logit_bits > 0
-            || k.dims()[2] > s;
+            || k.dims()[2] > q.dims()[2];
         let heads = if explicit {
             let [a1, a2] = halves(softmax(causal_logits(q, k, self.logit_bits, mask), 3));
             (a1 - a2 * lambda).matmul(v)
@@ -181,7 +169,7 @@ impl DiffAttention {
         rope: &RotaryEncoding,
     ) -> (Tensor<3>, AttentionProbe) {
         let dtype = x.dtype();
-        let [q, k, v] = self.qkv(x, rope, None);
+        let ([q, k, v], _) = self.qkv(x, rope, None);
         let logits = causal_logits(q, k, self.logit_bits, None);
         let probs = softmax(logits.clone(), 3);
         let [a1, a2] = halves(probs.clone());

@@ -16,8 +16,8 @@
 //! heads and W_λ).
 
 use super::{
-    AttentionProbe, causal_attention, causal_logits, merge_heads, projection, repeat_kv,
-    rotary_heads, split_heads, start, with_cached,
+    AttentionProbe, StepQkv, causal_attention, causal_logits, merge_heads, projection, repeat_kv,
+    step_qkv,
 };
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig};
@@ -71,19 +71,13 @@ impl DiffV2Attention {
     }
 
     /// Q `[B, 2H, S, d]`, and K and V GQA-repeated to 2H heads `[B, 2H, T, d]` of the T
-    /// positions so far: this step's S, after those in `cache`.
-    fn qkv(
-        &self,
-        x: Tensor<3>,
-        rope: &RotaryEncoding,
-        cache: Option<&mut LayerCache>,
-    ) -> [Tensor<4>; 3] {
-        let (n_rep, start) = (2 * self.heads / self.kv_heads, start(&cache));
-        let q = rotary_heads(self.q_proj.forward(x.clone()), 2 * self.heads, rope, start);
-        let k = rotary_heads(self.k_proj.forward(x.clone()), self.kv_heads, rope, start);
-        let v = split_heads(self.v_proj.forward(x), self.kv_heads);
-        let [k, v] = with_cached(k, v, cache);
-        [q, repeat_kv(k, n_rep), repeat_kv(v, n_rep)]
+    /// positions so far: this step's S, after those in `cache`; with the step's padding mask.
+    fn qkv(&self, x: Tensor<3>, rope: &RotaryEncoding, cache: Option<&mut LayerCache>) -> StepQkv {
+        let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let heads = [2 * self.heads, self.kv_heads, self.kv_heads];
+        let ([q, k, v], mask) = step_qkv(x, projections, heads, rope, cache);
+        let n_rep = 2 * self.heads / self.kv_heads;
+        ([q, repeat_kv(k, n_rep), repeat_kv(v, n_rep)], mask)
     }
 
     /// Pairs `[B, 2H, S, n]` into `x_{2h} − λ_{t,h}·x_{2h+1}`, `[B, H, S, n]`.
@@ -106,11 +100,10 @@ impl DiffV2Attention {
         &self,
         x: Tensor<3>,
         rope: &RotaryEncoding,
-        mut cache: Option<&mut LayerCache>,
+        cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
-        let (lambda, s) = (self.lambda(x.clone()), x.dims()[1]);
-        let [q, k, v] = self.qkv(x, rope, cache.as_deref_mut());
-        let mask = cache.and_then(|c| c.step_mask(s));
+        let lambda = self.lambda(x.clone());
+        let ([q, k, v], mask) = self.qkv(x, rope, cache);
         let o = causal_attention(q, k, v, self.implementation, self.logit_bits, mask);
         self.o_proj
             .forward(merge_heads(self.differentiate(o, lambda)))
@@ -122,7 +115,7 @@ impl DiffV2Attention {
         rope: &RotaryEncoding,
     ) -> (Tensor<3>, AttentionProbe) {
         let lambda = self.lambda(x.clone());
-        let [q, k, v] = self.qkv(x, rope, None);
+        let ([q, k, v], _) = self.qkv(x, rope, None);
         let logits = causal_logits(q, k, self.logit_bits, None);
         let probs = softmax(logits.clone(), 3);
         // Both heads of a pair read the same values, so the output is this map applied to them.

@@ -190,21 +190,29 @@ pub(crate) fn merge_heads(x: Tensor<4>) -> Tensor<3> {
     x.swap_dims(1, 2).reshape([b, s, h * dim])
 }
 
-/// The absolute position of a step's first token: the number of positions cached before it.
-pub(crate) fn start(cache: &Option<&mut LayerCache>) -> usize {
-    cache.as_ref().map_or(0, |c| c.len())
-}
+/// Q, K and V heads and, with a KV cache, the step's padding mask (see [`step_qkv`]).
+pub(crate) type StepQkv = ([Tensor<4>; 3], Option<Tensor<4, Bool>>);
 
-/// This step's keys and values `[B, H, S, ·]`, preceded by the cached ones when there is a cache
-/// (which then holds them too).
-pub(crate) fn with_cached(
-    k: Tensor<4>,
-    v: Tensor<4>,
+/// This step's Q, K and V as heads of `x` `[B, S, d_model]`: Q and K RoPE-rotated at their
+/// absolute positions (after those in `cache`), V split. With a cache, K and V cover every
+/// position so far and come with the step's padding mask ([`LayerCache::append`]).
+pub(crate) fn step_qkv(
+    x: Tensor<3>,
+    [q_proj, k_proj, v_proj]: [&Linear; 3],
+    [q_heads, k_heads, v_heads]: [usize; 3],
+    rope: &RotaryEncoding,
     cache: Option<&mut LayerCache>,
-) -> [Tensor<4>; 2] {
+) -> StepQkv {
+    let start = cache.as_ref().map_or(0, |c| c.len());
+    let q = rotary_heads(q_proj.forward(x.clone()), q_heads, rope, start);
+    let k = rotary_heads(k_proj.forward(x.clone()), k_heads, rope, start);
+    let v = split_heads(v_proj.forward(x), v_heads);
     match cache {
-        Some(cache) => cache.append(k, v),
-        None => [k, v],
+        Some(cache) => {
+            let ([k, v], mask) = cache.append(k, v);
+            ([q, k, v], mask)
+        }
+        None => ([q, k, v], None),
     }
 }
 

@@ -9,8 +9,8 @@
 //! ```
 
 use super::{
-    AttentionProbe, causal_attention, causal_logits, merge_heads, projection, repeat_kv,
-    rotary_heads, split_heads, start, with_cached,
+    AttentionProbe, StepQkv, causal_attention, causal_logits, merge_heads, projection, repeat_kv,
+    step_qkv,
 };
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig};
@@ -52,19 +52,13 @@ impl TransformerAttention {
     }
 
     /// Q `[B, H, S, d]`, and K (repeated to H heads) and V (repeated) `[B, H, T, d]` of the T
-    /// positions so far: this step's S, after those in `cache`.
-    fn qkv(
-        &self,
-        x: Tensor<3>,
-        rope: &RotaryEncoding,
-        cache: Option<&mut LayerCache>,
-    ) -> [Tensor<4>; 3] {
-        let (n_rep, start) = (self.heads / self.kv_heads, start(&cache));
-        let q = rotary_heads(self.q_proj.forward(x.clone()), self.heads, rope, start);
-        let k = rotary_heads(self.k_proj.forward(x.clone()), self.kv_heads, rope, start);
-        let v = split_heads(self.v_proj.forward(x), self.kv_heads);
-        let [k, v] = with_cached(k, v, cache);
-        [q, repeat_kv(k, n_rep), repeat_kv(v, n_rep)]
+    /// positions so far: this step's S, after those in `cache`; with the step's padding mask.
+    fn qkv(&self, x: Tensor<3>, rope: &RotaryEncoding, cache: Option<&mut LayerCache>) -> StepQkv {
+        let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let heads = [self.heads, self.kv_heads, self.kv_heads];
+        let ([q, k, v], mask) = step_qkv(x, projections, heads, rope, cache);
+        let n_rep = self.heads / self.kv_heads;
+        ([q, repeat_kv(k, n_rep), repeat_kv(v, n_rep)], mask)
     }
 
     /// `x` `[B, S, d_model]` → `[B, S, d_model]`, after the positions in `cache` when there is one.
@@ -72,11 +66,9 @@ impl TransformerAttention {
         &self,
         x: Tensor<3>,
         rope: &RotaryEncoding,
-        mut cache: Option<&mut LayerCache>,
+        cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
-        let s = x.dims()[1];
-        let [q, k, v] = self.qkv(x, rope, cache.as_deref_mut());
-        let mask = cache.and_then(|c| c.step_mask(s));
+        let ([q, k, v], mask) = self.qkv(x, rope, cache);
         let heads = causal_attention(q, k, v, self.implementation, self.logit_bits, mask);
         self.o_proj.forward(merge_heads(heads))
     }
@@ -86,7 +78,7 @@ impl TransformerAttention {
         x: Tensor<3>,
         rope: &RotaryEncoding,
     ) -> (Tensor<3>, AttentionProbe) {
-        let [q, k, v] = self.qkv(x, rope, None);
+        let ([q, k, v], _) = self.qkv(x, rope, None);
         let logits = causal_logits(q, k, self.logit_bits, None);
         let probs = softmax(logits.clone(), 3);
         let out = self.o_proj.forward(merge_heads(probs.clone().matmul(v)));
