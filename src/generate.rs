@@ -5,9 +5,10 @@
 //! repeated, `--prompts FILE`) run in batches of `--batch-size`, left-padded to the longest with
 //! the padding masked out, each sampling from its own generator seeded with `--seed`: a batch
 //! generates what each of its prompts generates alone (to rounding: padded rows sit at other
-//! absolute positions, which RoPE's relative angles make equal only up to float error). A prompt plus `--max-tokens` must fit the model's context
-//! (`max_seq_len`); beyond it `--sliding-window` (one prompt) recomputes the last `max_seq_len`
-//! tokens for every further token, as a model without a cache would. Sampling: greedy at
+//! absolute positions, which RoPE's relative angles make equal only up to float error). A prompt
+//! plus `--max-tokens` must fit the model's context (`max_seq_len`); beyond it `--sliding-window`
+//! (one prompt) recomputes the last `max_seq_len` tokens for every further token, as a model
+//! without a cache would. Sampling: greedy at
 //! temperature 0, else the temperature's softmax restricted to the `--top-k` most likely tokens
 //! and then to the smallest set whose probability reaches `--top-p`. A prompt stops at the
 //! end-of-text token (unless `--ignore-eot`), at `--stop`, or after `--max-tokens`.
@@ -174,12 +175,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         print!("{}", texts[0]);
     }
     for _ in 0..args.warmup {
-        Decoder::prefill(
-            &model,
-            &device,
-            &[rows[0].prompt.as_slice()],
-            tokenizer.eot_id(),
-        )?;
+        Decoder::prefill(&model, &device, &[rows[0].prompt.as_slice()], eot)?;
     }
     let (mut prefill_seconds, mut decode_seconds, mut decode_tokens) = (0.0, 0.0, 0);
     for batch in rows.chunks_mut(args.batch_size) {
@@ -290,13 +286,7 @@ fn generate_batch(
                 Some(_) => eot,
             })
             .collect();
-        let history: Vec<u32> = rows[0]
-            .prompt
-            .iter()
-            .chain(&rows[0].tokens)
-            .copied()
-            .collect();
-        logits = decoder.step(&newest, &history)?;
+        logits = decoder.step(&newest, &rows[0])?;
     }
     Ok((
         prefill_seconds,
@@ -445,14 +435,15 @@ impl<'a> Decoder<'a> {
     }
 
     /// The logits after each row's `newest` token. Once the cache is full (only with
-    /// `--sliding-window`, one row), the last `max_seq_len` tokens of `history` (that row's
-    /// prompt and tokens so far) are computed afresh.
-    fn step(&mut self, newest: &[u32], history: &[u32]) -> Result<Vec<Vec<f32>>> {
+    /// `--sliding-window`, one row: `first`), the last `max_seq_len` tokens of that row's prompt
+    /// and tokens so far are computed afresh.
+    fn step(&mut self, newest: &[u32], first: &Row) -> Result<Vec<Vec<f32>>> {
         self.steps += 1;
         if self.cache.len() < self.cache.capacity() {
             return self.feed(newest, newest.len());
         }
         let context = self.cache.capacity();
+        let history: Vec<u32> = first.prompt.iter().chain(&first.tokens).copied().collect();
         self.cache = self.model.cache();
         self.feed(&history[history.len() - context..], 1)
     }
