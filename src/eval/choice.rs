@@ -24,11 +24,10 @@
 //! space, as the harness counts); each comes with the standard error of its mean over the
 //! questions. With a context per choice (WinoGrande) the harness reports `acc` alone.
 
-use super::{Common, emit};
+use super::{Common, emit, id_tensor, target_log_probs};
 use crate::{device, run};
 use anyhow::{Context, Result, anyhow, bail};
-use burn::tensor::activation::log_softmax;
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use diffzoo_datasets::TextTokenizer;
 use diffzoo_models::Model;
 use serde::Serialize;
@@ -346,7 +345,7 @@ pub fn log_likelihoods(
             .collect();
     }
     let mut cache = model.cache();
-    let first = model.forward_cached(ids(context, device), &mut cache);
+    let first = model.forward_cached(id_tensor(context, device), &mut cache);
     let first = first.narrow(1, context.len() - 1, 1);
     continuations
         .iter()
@@ -357,7 +356,7 @@ pub fn log_likelihoods(
                 first.clone()
             } else {
                 let mut own = cache.clone();
-                let rest = model.forward_cached(ids(fed, device), &mut own);
+                let rest = model.forward_cached(id_tensor(fed, device), &mut own);
                 Tensor::cat(vec![first.clone(), rest], 1)
             };
             summed_log_probs(logits, c, device)
@@ -368,26 +367,18 @@ pub fn log_likelihoods(
 /// The same by one forward pass over `tokens`, scoring its last `scored` tokens.
 pub fn teacher_forced(model: &Model, tokens: &[u32], scored: usize, device: &Device) -> f64 {
     let s = tokens.len();
-    let logits = model
-        .forward(ids(&tokens[..s - 1], device))
-        .narrow(1, s - 1 - scored, scored);
+    let logits =
+        model
+            .forward(id_tensor(&tokens[..s - 1], device))
+            .narrow(1, s - 1 - scored, scored);
     summed_log_probs(logits, &tokens[s - scored..], device)
 }
 
 /// `Σ_j log softmax(logits[j])[targets[j]]` in f32; `logits`: `[1, n, vocab]`.
 fn summed_log_probs(logits: Tensor<3>, targets: &[u32], device: &Device) -> f64 {
-    let n = targets.len();
-    let targets: Vec<i64> = targets.iter().map(|&t| t as i64).collect();
-    let targets = Tensor::<3, Int>::from_data(TensorData::new(targets, [1, n, 1]), device);
-    log_softmax(logits.cast(DType::F32), 2)
-        .gather(2, targets)
+    target_log_probs(logits, id_tensor(targets, device))
         .sum()
         .into_scalar::<f64>()
-}
-
-fn ids(tokens: &[u32], device: &Device) -> Tensor<2, Int> {
-    let values: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
-    Tensor::from_data(TensorData::new(values, [1, tokens.len()]), device)
 }
 
 /// Scores per character of each choice, without the leading space that joins it to the context

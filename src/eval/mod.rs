@@ -26,7 +26,8 @@ use crate::train::step::lm_loss;
 use crate::{device, recipe::Recipe, run};
 use anyhow::{Result, bail};
 use burn::data::dataloader::batcher::Batcher;
-use burn::tensor::Device;
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use diffzoo_datasets::{LmBatcher, Shards, Split, TextTokenizer, TokenStream, TokenWindows};
 use diffzoo_models::Model;
 use serde::Serialize;
@@ -139,6 +140,20 @@ impl Loaded {
         }
         Ok((sum / tokens as f64, tokens, count))
     }
+}
+
+/// `log p(targets[b][t])` under `logits` `[B, S, vocab]` (the log-softmax in f32): `[B, S]`.
+pub fn target_log_probs(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<2> {
+    let [b, s, _] = logits.dims();
+    log_softmax(logits.cast(DType::F32), 2)
+        .gather(2, targets.unsqueeze_dim::<3>(2))
+        .reshape([b, s])
+}
+
+/// Token ids as one sequence, `[1, S]`.
+pub fn id_tensor(ids: &[u32], device: &Device) -> Tensor<2, Int> {
+    let values: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+    Tensor::from_data(TensorData::new(values, [1, ids.len()]), device)
 }
 
 /// Prints `result` as JSON, or runs `text`.

@@ -3,12 +3,11 @@
 //! each `NLL(i)` averaged over validation windows of the run's context length. A model that uses
 //! long context well keeps lowering `C(t)` as `t` grows.
 
-use super::{Common, Loaded, emit};
+use super::{Common, Loaded, emit, target_log_probs};
 use crate::plot::{self, Chart, Series};
 use anyhow::Result;
 use burn::data::dataloader::batcher::Batcher;
-use burn::tensor::activation::log_softmax;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::Tensor;
 use diffzoo_datasets::LmBatcher;
 use diffzoo_models::Model;
 use serde::Serialize;
@@ -42,12 +41,7 @@ pub fn token_nll(
     inputs: Tensor<2, burn::tensor::Int>,
     targets: Tensor<2, burn::tensor::Int>,
 ) -> Tensor<2> {
-    let logits = model.forward(inputs).cast(DType::F32);
-    let [b, s, _] = logits.dims();
-    log_softmax(logits, 2)
-        .gather(2, targets.unsqueeze_dim::<3>(2))
-        .reshape([b, s])
-        .neg()
+    target_log_probs(model.forward(inputs), targets).neg()
 }
 
 /// `C(t) = mean(nll[..=t])`.

@@ -2,11 +2,9 @@
 //! NLL of every token of given token-id sequences (how parity with another framework is checked
 //! without any tokenizer).
 
-use super::{Common, Loaded, emit};
+use super::{Common, Loaded, emit, id_tensor, target_log_probs};
 use crate::{device, run};
 use anyhow::{Context, Result, anyhow, bail};
-use burn::tensor::activation::log_softmax;
-use burn::tensor::{DType, Int, Tensor, TensorData};
 use diffzoo_datasets::Shards;
 use diffzoo_models::Model;
 use serde::{Deserialize, Serialize};
@@ -165,14 +163,10 @@ fn read_tokens(path: &Path, vocab: usize, context: usize) -> Result<Vec<Vec<u32>
 /// −log p(ids[t+1] | ids[≤t]) for every t: the forward pass in the device's dtype, the
 /// log-softmax in f32.
 fn token_nll(model: &Model, ids: &[u32], device: &burn::tensor::Device) -> Vec<f64> {
-    let s = ids.len();
-    let inputs: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
-    let tokens = Tensor::<2, Int>::from_data(TensorData::new(inputs.clone(), [1, s]), device);
-    let logits = model.forward(tokens).cast(DType::F32).narrow(1, 0, s - 1);
-    let targets =
-        Tensor::<3, Int>::from_data(TensorData::new(inputs[1..].to_vec(), [1, s - 1, 1]), device);
-    log_softmax(logits, 2)
-        .gather(2, targets)
+    let logits = model
+        .forward(id_tensor(ids, device))
+        .narrow(1, 0, ids.len() - 1);
+    target_log_probs(logits, id_tensor(&ids[1..], device))
         .neg()
         .into_data()
         .convert::<f32>()
