@@ -444,20 +444,23 @@ fn prepared_shards_train_a_model() {
         err.contains("`data.tokenizer` must be unset for a shard directory"),
         "{err}"
     );
-    let standalone = std::fs::read_to_string(recipes_dir().join("micro.toml"))
-        .unwrap()
-        .replace("tokenizer = \"bpe\"\n", "");
-    let standalone = standalone
-        .replace(
-            "corpus = \"embedded\"",
-            &format!("corpus = {:?}", path(&shards)),
-        )
-        .replace("vocab_size = 512", "vocab_size = 300")
-        .replace("steps = 20", "steps = 4");
+    let standalone = micro_on_shards(&shards).replace("steps = 20", "steps = 4");
     std::fs::write(&recipe, standalone).unwrap();
     let run = tmp.path().join("run");
     ok(&["train", "--recipe", path(&recipe), "--out", path(&run)]);
     assert_eq!(records(&run, "train").len(), 4);
+}
+
+/// The `micro` recipe on shards of a 300-token vocabulary (which name their own tokenizer).
+fn micro_on_shards(shards: &Path) -> String {
+    std::fs::read_to_string(recipes_dir().join("micro.toml"))
+        .unwrap()
+        .replace("tokenizer = \"bpe\"\n", "")
+        .replace(
+            "corpus = \"embedded\"",
+            &format!("corpus = {:?}", path(shards)),
+        )
+        .replace("vocab_size = 512", "vocab_size = 300")
 }
 
 /// `eval choice` on a micro model trained on eight facts ("The cat is red.", …) against the same
@@ -492,16 +495,8 @@ fn multiple_choice_rewards_what_the_model_learned() {
         "--validation-every",
         "5",
     ]);
-    let recipe = std::fs::read_to_string(recipes_dir().join("micro.toml"))
-        .unwrap()
-        .replace("tokenizer = \"bpe\"\n", "")
-        .replace(
-            "corpus = \"embedded\"",
-            &format!("corpus = {:?}", path(&shards)),
-        )
-        .replace("vocab_size = 512", "vocab_size = 300");
     let recipe_file = tmp.path().join("facts.toml");
-    std::fs::write(&recipe_file, recipe).unwrap();
+    std::fs::write(&recipe_file, micro_on_shards(&shards)).unwrap();
     let (mut ours, mut harness) = (String::new(), String::new());
     for (i, animal) in ANIMALS.iter().enumerate() {
         let gold = i % 4;
