@@ -394,6 +394,84 @@ mod tests {
     use super::*;
     use crate::recipe::resolve;
 
+    /// A recipe fuzzer: every key of three valid recipes set to values of the wrong type, out
+    /// of range or absurdly large, removed, and joined by an unknown sibling. Nothing may panic
+    /// (resolving, deriving the numbers `recipe show` prints, planning on a GPU); each refusal
+    /// names the key that was changed (in full, `section.key`, unless it was removed), and a
+    /// number made negative, NaN or −∞ is always refused.
+    #[test]
+    fn mutated_recipes_never_panic_and_each_refusal_names_its_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let bad = [
+            "\"x\"",
+            "-1",
+            "0",
+            "1e300",
+            "nan",
+            "-inf",
+            "true",
+            "[1]",
+            "18446744073709551615",
+            "4294967296",
+            "1000000000000000000",
+        ];
+        let (mut tried, mut refused) = (0, 0);
+        let mut check = |name: &str, overrides: &[String], key: &str, must_fail: bool| {
+            // A removed key may be named as serde names a missing field: by its last part.
+            let removed = overrides.is_empty();
+            tried += 1;
+            let outcome = std::panic::catch_unwind(|| {
+                let resolved = resolve(name, overrides)?;
+                resolved.recipe.derived();
+                Plan::new(&resolved.recipe, Gpu::parse("h100")?, None, 0.4)?;
+                Ok::<_, anyhow::Error>(())
+            });
+            let what = format!("{name} {overrides:?} (`{key}`)");
+            match outcome {
+                Err(_) => panic!("{what}: panicked"),
+                Ok(Ok(())) => assert!(!must_fail, "{what}: accepted"),
+                Ok(Err(e)) => {
+                    refused += 1;
+                    let message = format!("{e:#}");
+                    let last = format!("`{}`", key.rsplit('.').next().unwrap());
+                    let named = message.contains(&format!("`{key}`"))
+                        || (removed && message.contains(&last));
+                    assert!(named, "{what}: {message}");
+                }
+            }
+        };
+        for name in ["micro", "tiny", "paper/size-scaling/830m-diff"] {
+            let recipe = resolve(name, &[]).unwrap().recipe;
+            let table: toml::Table = recipe.to_toml().parse().unwrap();
+            for (section, entries) in &table {
+                let Some(entries) = entries.as_table() else {
+                    continue;
+                };
+                for (key, original) in entries {
+                    let path = format!("{section}.{key}");
+                    let numeric = original.is_integer() || original.is_float();
+                    for value in bad {
+                        let must_fail = numeric && matches!(value, "-1" | "nan" | "-inf");
+                        check(name, &[format!("{path}={value}")], &path, must_fail);
+                    }
+                    let unknown = format!("{section}.{key}_typo");
+                    check(name, &[format!("{unknown}=1")], &unknown, true);
+                    let mut without = table.clone();
+                    without[section].as_table_mut().unwrap().remove(key);
+                    let file = dir
+                        .path()
+                        .join(format!("{}-{section}-{key}.toml", name.replace('/', "_")));
+                    std::fs::write(&file, toml::to_string(&without).unwrap()).unwrap();
+                    check(file.to_str().unwrap(), &[], &path, false);
+                }
+            }
+        }
+        assert!(
+            tried >= 1000 && refused >= 800,
+            "{tried} tried, {refused} refused"
+        );
+    }
+
     fn close(a: f64, b: f64) -> bool {
         (a - b).abs() <= 1e-9 * b.abs().max(1.0)
     }

@@ -309,23 +309,77 @@ impl Recipe {
         }
     }
 
+    /// Upper bounds far beyond any real run, under which every count the planner and `recipe
+    /// show` derive fits its integer type (beyond them a recipe is a typo).
+    fn within_limits(&self) -> std::result::Result<(), String> {
+        let (m, t) = (&self.model, &self.training);
+        let limits = [
+            ("model.d_model", m.d_model as u64, 1 << 20),
+            ("model.layers", m.layers as u64, 1 << 12),
+            ("model.heads", m.heads as u64, 1 << 16),
+            ("model.kv_heads", m.kv_heads.unwrap_or(0) as u64, 1 << 16),
+            ("model.vocab_size", m.vocab_size as u64, 1 << 32),
+            (
+                "model.max_seq_len",
+                m.max_seq_len.unwrap_or(0) as u64,
+                1 << 24,
+            ),
+            ("model.ffn_dim", m.ffn_dim.unwrap_or(0) as u64, 1 << 22),
+            ("model.attention_block", m.attention_block as u64, 1 << 24),
+            ("data.seq_len", self.data.seq_len as u64, 1 << 24),
+            ("training.steps", t.steps.unwrap_or(0) as u64, 1 << 40),
+            ("training.tokens", t.tokens.unwrap_or(0), 1 << 56),
+            ("training.batch_tokens", t.batch_tokens as u64, 1 << 40),
+            ("training.micro_batch", t.micro_batch as u64, 1 << 24),
+            ("training.log_every", t.log_every as u64, 1 << 40),
+            (
+                "schedule.warmup_steps",
+                self.schedule.warmup_steps as u64,
+                1 << 40,
+            ),
+            (
+                "checkpoint.interval",
+                self.checkpoint.interval as u64,
+                1 << 40,
+            ),
+            ("checkpoint.keep", self.checkpoint.keep as u64, 1 << 20),
+            (
+                "checkpoint.eval_batches",
+                self.checkpoint.eval_batches as u64,
+                1 << 32,
+            ),
+        ];
+        if let Some((key, value, max)) = limits.iter().find(|(_, value, max)| value > max) {
+            return Err(format!("`{key}` = {value} is above the limit {max}"));
+        }
+        let tokens = t.steps.map_or(0, |s| s as u128) * t.batch_tokens as u128;
+        if tokens > 1 << 56 {
+            return Err(format!(
+                "`training.steps` × `training.batch_tokens` = {tokens} tokens is above the limit {}",
+                1u64 << 56
+            ));
+        }
+        Ok(())
+    }
+
     pub fn model_config(&self) -> ModelConfig {
         self.model.config(self.data.seq_len)
     }
 
     /// Consistency checks; each error names the keys involved.
     pub fn validate(&self) -> std::result::Result<(), String> {
+        self.within_limits()?;
         if self.model.attention_block == 0 {
             return Err("`model.attention_block` must be positive".into());
         }
-        self.model_config()
-            .validate()
-            .map_err(|e| format!("model: {e}"))?;
-        let t = &self.training;
         let seq = self.data.seq_len;
         if seq == 0 {
             return Err("`data.seq_len` must be positive".into());
         }
+        self.model_config()
+            .validate()
+            .map_err(|e| in_section("model", &e))?;
+        let t = &self.training;
         if let Some(max) = self.model.max_seq_len
             && max < seq
         {
@@ -378,11 +432,16 @@ impl Recipe {
                 o.betas
             ));
         }
-        if o.eps.is_nan() || o.eps <= 0.0 || o.weight_decay < 0.0 || o.grad_clip < 0.0 {
-            return Err(
-                "`optimizer.eps` must be positive, `weight_decay` and `grad_clip` non-negative"
-                    .into(),
-            );
+        if !(o.eps > 0.0 && o.eps.is_finite()) {
+            return Err(format!("`optimizer.eps` = {} must be positive", o.eps));
+        }
+        for (key, value) in [
+            ("optimizer.weight_decay", o.weight_decay),
+            ("optimizer.grad_clip", o.grad_clip),
+        ] {
+            if !(value >= 0.0 && value.is_finite()) {
+                return Err(format!("`{key}` = {value} must be non-negative"));
+            }
         }
         regex::Regex::new(&o.no_decay)
             .map_err(|e| format!("`optimizer.no_decay` is not a valid regex: {e}"))?;
@@ -394,7 +453,7 @@ impl Recipe {
                 self.total_steps()
             ));
         }
-        if s.min_lr < 0.0 || s.min_lr > o.lr {
+        if !(s.min_lr >= 0.0 && s.min_lr <= o.lr) {
             return Err(format!(
                 "`schedule.min_lr` = {} must lie in [0, optimizer.lr = {}]",
                 s.min_lr, o.lr
@@ -426,11 +485,18 @@ impl Recipe {
             }
         }
         let tok = self.data.tokenizer.as_deref();
-        if self.data.corpus == diffzoo_datasets::corpus::EMBEDDED && tok.is_none() {
+        let corpus = &self.data.corpus;
+        if corpus == diffzoo_datasets::corpus::EMBEDDED && tok.is_none() {
             return Err("`data.tokenizer` is required with the embedded corpus (\"bpe\" or a tokenizer.json)".into());
         }
-        if self.data.corpus != diffzoo_datasets::corpus::EMBEDDED && tok.is_some() {
-            return Err("`data.tokenizer` must be unset for a shard directory (the shards' tokenizer is used)".into());
+        // A missing directory is reported as such when the data is opened.
+        if let Some(tok) = tok
+            && corpus != diffzoo_datasets::corpus::EMBEDDED
+            && Path::new(corpus).exists()
+        {
+            return Err(format!(
+                "`data.tokenizer` = {tok:?} must be unset for a shard directory (`data.corpus` = {corpus:?}): the shards' tokenizer is used"
+            ));
         }
         Ok(())
     }
@@ -530,6 +596,13 @@ fn merge(base: &mut toml::Table, over: toml::Table) {
 }
 
 /// Applies one `section.key=value` override; the value is parsed as TOML, else taken as a string.
+/// `message` with the keys it names (`` `key` ``) named in full (`` `section.key` ``).
+fn in_section(section: &str, message: &str) -> String {
+    let key = regex::Regex::new(r"`([a-z_]+)\b").expect("a valid regex");
+    key.replace_all(message, format!("`{section}.$1").as_str())
+        .into_owned()
+}
+
 fn apply_override(table: &mut toml::Table, assignment: &str) -> Result<()> {
     let (path, raw) = assignment
         .split_once('=')

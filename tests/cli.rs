@@ -441,7 +441,7 @@ fn prepared_shards_train_a_model() {
     // `micro` names a tokenizer; shard recipes must not: the error says so.
     let err = fails(&["recipe", "show", path(&recipe)]);
     assert!(
-        err.contains("`data.tokenizer` must be unset for a shard directory"),
+        err.contains("`data.tokenizer` = \"bpe\" must be unset for a shard directory"),
         "{err}"
     );
     let standalone = micro_on_shards(&shards).replace("steps = 20", "steps = 4");
@@ -663,13 +663,21 @@ fn recipe_errors_name_the_key_and_the_file() {
             "`model.laers`: unknown field `laers`",
         ),
         ("wrongtype", "", "`model.d_model`: invalid type"),
-        ("heads", "", "`heads` = 3 does not divide `d_model` = 32"),
+        (
+            "heads",
+            "",
+            "`model.heads` = 3 does not divide `model.d_model` = 32",
+        ),
         (
             "kvheads",
             "kv_heads = 3\n",
-            "`kv_heads` = 3 does not divide `heads` = 4",
+            "`model.kv_heads` = 3 does not divide `model.heads` = 4",
         ),
-        ("oddheads", "", "needs even `heads` and `kv_heads`"),
+        (
+            "oddheads",
+            "",
+            "needs even `model.heads` and `model.kv_heads`",
+        ),
         (
             "microbatch",
             "",

@@ -4,10 +4,11 @@ use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
-    #[error("{}: {source}", path.display())]
+    /// The I/O error is part of the message, not a source: an error chain would print it twice.
+    #[error("{}: {error}", path.display())]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{}: {reason}", path.display())]
     Input { path: PathBuf, reason: String },
@@ -21,9 +22,9 @@ pub enum DataError {
 
 impl DataError {
     pub(crate) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Self + '_ {
-        move |source| Self::Io {
+        move |error| Self::Io {
             path: path.to_path_buf(),
-            source,
+            error,
         }
     }
 

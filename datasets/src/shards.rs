@@ -422,8 +422,9 @@ impl Shards {
             let len = std::fs::metadata(&file)
                 .map_err(DataError::io(&file))?
                 .len();
-            let expected = shard.tokens * manifest.dtype.bytes() as u64;
-            if len != expected {
+            let expected = shard.tokens.checked_mul(manifest.dtype.bytes() as u64);
+            if expected != Some(len) {
+                let expected = expected.map_or("more than 2^64".into(), |e| e.to_string());
                 return Err(DataError::shards(
                     &file,
                     format!("{len} bytes, the manifest says {expected}"),
@@ -434,6 +435,36 @@ impl Shards {
             dir: dir.to_path_buf(),
             manifest,
         })
+    }
+
+    /// Checks every shard's SHA-256 against the manifest (sizes are checked by [`Shards::open`]);
+    /// returns the number of shards and of bytes read. The first shard that differs is named.
+    pub fn verify(&self) -> Result<(usize, u64)> {
+        let (mut shards, mut bytes) = (0, 0);
+        for shard in self
+            .manifest
+            .train
+            .shards
+            .iter()
+            .chain(&self.manifest.validation.shards)
+        {
+            let path = self.dir.join(&shard.file);
+            let mut file = File::open(&path).map_err(DataError::io(&path))?;
+            let mut hasher = Sha256::new();
+            bytes += std::io::copy(&mut file, &mut hasher).map_err(DataError::io(&path))?;
+            let sha256 = format!("{:x}", hasher.finalize());
+            if sha256 != shard.sha256 {
+                return Err(DataError::shards(
+                    &path,
+                    format!(
+                        "SHA-256 {sha256}, the manifest says {}: the shard is corrupted",
+                        shard.sha256
+                    ),
+                ));
+            }
+            shards += 1;
+        }
+        Ok((shards, bytes))
     }
 
     /// Errors unless the shards were made with the tokenizer of hash `hash`.

@@ -327,3 +327,130 @@ fn bad_inputs_are_errors_naming_the_file() {
     let err = error_of(Shards::open(tmp.path()).map(|_| ()));
     assert!(err.contains("not a shard directory"), "{err}");
 }
+
+/// JSON pointers to the values of `value`, at most eight entries of each object or array.
+fn pointers(value: &serde_json::Value, at: &str, out: &mut Vec<String>) {
+    let children: Vec<(String, &serde_json::Value)> = match value {
+        serde_json::Value::Object(map) => map
+            .iter()
+            .take(8)
+            .map(|(k, v)| (k.replace('~', "~0").replace('/', "~1"), v))
+            .collect(),
+        serde_json::Value::Array(items) => items
+            .iter()
+            .take(8)
+            .enumerate()
+            .map(|(i, v)| (i.to_string(), v))
+            .collect(),
+        _ => Vec::new(),
+    };
+    for (key, child) in children {
+        let pointer = format!("{at}/{key}");
+        out.push(pointer.clone());
+        pointers(child, &pointer, out);
+    }
+}
+
+/// What a mutation puts in place of a value (or it removes the value).
+const DAMAGE: [&str; 9] = [
+    "\"x\"",
+    "-1",
+    "0",
+    "1e300",
+    "9223372036854775808",
+    "18446744073709551615",
+    "null",
+    "[]",
+    "{}",
+];
+
+/// `doc` with the value at `pointer` removed, or replaced by one of [`DAMAGE`]'s values.
+fn mutated(doc: &serde_json::Value, pointer: &str, damage: usize) -> serde_json::Value {
+    let mut doc = doc.clone();
+    let replacement = match damage {
+        0 => {
+            let (parent, last) = pointer.rsplit_once('/').unwrap();
+            match doc.pointer_mut(parent).unwrap() {
+                serde_json::Value::Object(map) => {
+                    map.remove(&last.replace("~1", "/").replace("~0", "~"));
+                }
+                serde_json::Value::Array(items) => {
+                    items.remove(last.parse::<usize>().unwrap());
+                }
+                _ => unreachable!("a parent is an object or an array"),
+            }
+            return doc;
+        }
+        k => serde_json::from_str(DAMAGE[k - 1]).unwrap(),
+    };
+    *doc.pointer_mut(pointer).unwrap() = replacement;
+    doc
+}
+
+#[test]
+fn mutated_manifests_and_tokenizers_are_errors_naming_the_directory_never_panics() {
+    let tmp = tempfile::tempdir().unwrap();
+    let good = tmp.path().join("good");
+    let mut options = PrepareOptions::new(good.clone());
+    options.validation_every = 3;
+    options.shard_tokens = 2048;
+    let docs: Vec<String> = (0..12)
+        .map(|i| "A line of text, and another. ".repeat(20 + i))
+        .collect();
+    let paths: Vec<PathBuf> = docs
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            let path = tmp.path().join(format!("in/{i}.txt"));
+            write(&path, text.as_bytes());
+            path
+        })
+        .collect();
+    prepare_paths(&paths, &options).unwrap();
+    // What training does with a shard directory: open it, check its tokenizer, read its splits.
+    let open = |dir: &Path| -> Result<(), DataError> {
+        let shards = Shards::open(dir)?;
+        shards.tokenizer()?;
+        shards.verify()?;
+        for split in [Split::Train, Split::Validation] {
+            let windows = TokenWindows::new(shards.tokens(split)?, 8);
+            if !windows.is_empty() {
+                windows.window(windows.len() - 1);
+            }
+        }
+        Ok(())
+    };
+    open(&good).unwrap();
+    let (mut tried, mut refused) = (0, 0);
+    for file in ["manifest.json", "tokenizer.json"] {
+        let original = std::fs::read_to_string(good.join(file)).unwrap();
+        let doc: serde_json::Value = serde_json::from_str(&original).unwrap();
+        let mut all = Vec::new();
+        pointers(&doc, "", &mut all);
+        for pointer in &all {
+            for damage in 0..=DAMAGE.len() {
+                let text = serde_json::to_string(&mutated(&doc, pointer, damage)).unwrap();
+                std::fs::write(good.join(file), text).unwrap();
+                let what = format!("{file} {pointer} damage {damage}");
+                match std::panic::catch_unwind(|| open(&good)) {
+                    Err(_) => panic!("{what}: panicked"),
+                    Ok(Err(e)) => {
+                        refused += 1;
+                        let message = e.to_string();
+                        assert!(
+                            message.contains(good.to_str().unwrap()),
+                            "{what}: {message}"
+                        );
+                    }
+                    Ok(Ok(())) => {}
+                }
+                tried += 1;
+            }
+        }
+        std::fs::write(good.join(file), original).unwrap();
+    }
+    assert!(
+        tried >= 600 && refused >= 500,
+        "{tried} tried, {refused} refused"
+    );
+}

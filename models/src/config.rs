@@ -178,7 +178,7 @@ impl ModelConfig {
         }
         if !self.head_dim().is_multiple_of(2) {
             return Err(format!(
-                "head dim d_model/heads = {} must be even for RoPE",
+                "the head dimension `d_model` / `heads` = {} must be even for RoPE",
                 self.head_dim()
             ));
         }
@@ -200,7 +200,17 @@ impl ModelConfig {
                 self.rope_theta
             ));
         }
-        if self.norm_eps.is_nan() || self.norm_eps <= 0.0 {
+        let stds = [
+            ("embedding_std", Some(self.embedding_std)),
+            ("linear_std", self.linear_std),
+        ];
+        if let Some((name, Some(std))) = stds
+            .into_iter()
+            .find(|(_, std)| std.is_some_and(|s| !(s.is_finite() && s > 0.0)))
+        {
+            return Err(format!("`{name}` must be positive and finite, got {std}"));
+        }
+        if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
             return Err(format!(
                 "`norm_eps` must be positive, got {}",
                 self.norm_eps
