@@ -1,4 +1,5 @@
-//! `diffzoo data prepare`: text files into token shards.
+//! `diffzoo data prepare`: text files into token shards; `diffzoo data verify`: shards checked
+//! against their manifest.
 
 use anyhow::{Result, bail};
 use diffzoo_datasets::shards::prepare as prepare_shards;
@@ -120,5 +121,23 @@ pub fn prepare(args: &PrepareArgs) -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct VerifyArgs {
+    /// A shard directory (from `diffzoo data prepare`).
+    dir: PathBuf,
+}
+
+/// Checks every shard's size and SHA-256 against the manifest, and the tokenizer's hash.
+pub fn verify(args: &VerifyArgs) -> Result<()> {
+    let shards = diffzoo_datasets::Shards::open(&args.dir)?;
+    shards.tokenizer()?;
+    let (files, bytes) = shards.verify()?;
+    println!(
+        "{}: {files} shard files ({bytes} bytes) and the tokenizer match manifest.json",
+        args.dir.display()
+    );
     Ok(())
 }

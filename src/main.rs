@@ -146,19 +146,33 @@ enum ScalingCommand {
 enum DataCommand {
     /// Tokenize text files (.txt, .jsonl, their .gz, directories) into shards.
     Prepare(data::PrepareArgs),
+    /// Check a shard directory: every shard's size and SHA-256 against its manifest.
+    Verify(data::VerifyArgs),
 }
 
 fn main() {
     allocator::tune();
-    if let Err(e) = dispatch(Cli::parse()) {
-        eprintln!("error: {e:#}");
-        std::process::exit(1);
+    match dispatch(Cli::parse()) {
+        Ok(Outcome::Done) => {}
+        Ok(Outcome::Stopped) => std::process::exit(train::RESUMABLE),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
     }
 }
 
-fn dispatch(cli: Cli) -> Result<()> {
-    match cli.command {
-        Command::Train(args) => train::run(&args),
+/// How a command ended, when it did not fail.
+pub enum Outcome {
+    Done,
+    /// Training stopped early with a checkpoint to resume from (exit status [`train::RESUMABLE`]).
+    Stopped,
+}
+
+fn dispatch(cli: Cli) -> Result<Outcome> {
+    let done = match cli.command {
+        Command::Train(args) => return train::run(&args),
+        Command::Sweep(args) => return sweep::run(&args),
         Command::Recipe { command } => match command {
             RecipeCommand::List { json } => recipe::list(json),
             RecipeCommand::Show {
@@ -182,13 +196,13 @@ fn dispatch(cli: Cli) -> Result<()> {
             EvalCommand::Lambda(args) => eval::lambda::run(&args),
         },
         Command::Compare(args) => eval::compare::run(&args),
-        Command::Sweep(args) => sweep::run(&args),
         Command::Scaling { command } => match command {
             ScalingCommand::Fit(args) => scaling::run(&args),
         },
         Command::Bench(args) => bench::run(&args),
         Command::Data { command } => match command {
             DataCommand::Prepare(args) => data::prepare(&args),
+            DataCommand::Verify(args) => data::verify(&args),
         },
         Command::Import { command } => match command {
             ImportCommand::Hf(args) => hf::import::run(&args),
@@ -196,5 +210,6 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Export { command } => match command {
             ExportCommand::Hf(args) => hf::export::run(&args),
         },
-    }
+    };
+    done.map(|()| Outcome::Done)
 }

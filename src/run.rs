@@ -6,12 +6,16 @@
 //!   recipe.toml        the resolved recipe (what --resume checks against)
 //!   tokenizer.json     the tokenizer (its hash must match the data's)
 //!   metrics.jsonl      one JSON object per training step and per validation
-//!   checkpoint/        {model,optim,scheduler}-E.bpk every checkpoint interval E, the last K kept
+//!   checkpoint/        {model,optim,scheduler}-E.bpk and manifest-E.json (its step, sizes and
+//!                      SHA-256s) every checkpoint interval, and where a run was stopped; the
+//!                      last K kept; `format` marks checkpoints that have manifests
+//!   run.lock           held by the `train` writing the run
 //!   model.bpk          the final model (Burn's format) and model.safetensors (same weights)
 //!   import.json        where an imported run's weights came from (`diffzoo import hf`)
 //! ```
 
 use crate::recipe::{self, Recipe};
+use crate::train::checkpoint::{self, Verified};
 use crate::train::step::Trainee;
 use anyhow::{Context, Result, anyhow, bail};
 use burn::module::Module;
@@ -31,49 +35,45 @@ pub const FINAL_MODEL: &str = "model.bpk";
 pub const FINAL_SAFETENSORS: &str = "model.safetensors";
 
 /// The recipe's tokenizer and token shards (the embedded corpus is prepared and cached on
-/// first use).
+/// first use). Errors name the recipe key at fault.
 pub fn open_data(recipe: &Recipe) -> Result<(TextTokenizer, Shards)> {
     let data = &recipe.data;
     if data.corpus == corpus::EMBEDDED {
         let cache = diffzoo_datasets::cache_dir();
         let tokenizer = match data.tokenizer.as_deref() {
-            Some("bpe") => embedded_tokenizer(recipe.model.vocab_size, &cache)?,
-            Some(path) => TextTokenizer::from_file(Path::new(path))?,
+            Some("bpe") => embedded_tokenizer(recipe.model.vocab_size, &cache).with_context(
+                || {
+                    format!(
+                        "`model.vocab_size` = {} (the size of the BPE trained for `data.tokenizer` = \"bpe\")",
+                        recipe.model.vocab_size
+                    )
+                },
+            )?,
+            Some(path) => TextTokenizer::from_file(Path::new(path))
+                .with_context(|| format!("`data.tokenizer` = {path:?}"))?,
             None => bail!("`data.tokenizer` is required with the embedded corpus"),
         };
         let shards = embedded_shards(&tokenizer, &cache)?;
         Ok((tokenizer, shards))
     } else {
-        let shards = Shards::open(Path::new(&data.corpus))?;
-        let tokenizer = shards.tokenizer()?;
+        let key = || format!("`data.corpus` = {:?}", data.corpus);
+        let shards = Shards::open(Path::new(&data.corpus)).with_context(key)?;
+        let tokenizer = shards.tokenizer().with_context(key)?;
         Ok((tokenizer, shards))
     }
 }
 
-/// Complete checkpoints (model, optimizer and scheduler all present), oldest first.
-pub fn complete_checkpoints(run: &Path) -> Vec<usize> {
-    let dir = run.join(CHECKPOINTS);
-    let Ok(entries) = std::fs::read_dir(&dir) else {
-        return Vec::new();
-    };
-    let mut epochs: Vec<usize> = entries
-        .filter_map(|e| {
-            e.ok()?
-                .file_name()
-                .to_str()?
-                .strip_prefix("model-")?
-                .strip_suffix(".bpk")?
-                .parse()
-                .ok()
+/// The run's checkpoints that verify (see [`checkpoint`]), oldest first.
+pub fn verified_checkpoints(run: &Path) -> Vec<Verified> {
+    checkpoint::scan(&run.join(CHECKPOINTS))
+        .into_iter()
+        .filter_map(|found| {
+            Some(Verified {
+                number: found.number,
+                step: found.verdict.ok()?,
+            })
         })
-        .filter(|e| {
-            ["optim", "scheduler"]
-                .iter()
-                .all(|p| dir.join(format!("{p}-{e}.bpk")).exists())
-        })
-        .collect();
-    epochs.sort_unstable();
-    epochs
+        .collect()
 }
 
 /// A run directory's recipe.
@@ -101,7 +101,8 @@ pub fn run_tokenizer(run: &Path) -> Result<TextTokenizer> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Weights {
     Final(PathBuf),
-    Checkpoint(usize, PathBuf),
+    /// A verified checkpoint: its number, step and model file.
+    Checkpoint(Verified, PathBuf),
     /// A model or checkpoint file named directly.
     File(PathBuf),
 }
@@ -110,19 +111,25 @@ impl std::fmt::Display for Weights {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Final(path) => write!(f, "final model {}", path.display()),
-            Self::Checkpoint(e, path) => write!(f, "checkpoint {e} ({})", path.display()),
+            Self::Checkpoint(c, path) => write!(
+                f,
+                "checkpoint {} at step {} ({})",
+                c.number,
+                c.step,
+                path.display()
+            ),
             Self::File(path) => write!(f, "weights file {}", path.display()),
         }
     }
 }
 
-/// The run's final model, or its newest complete checkpoint when training has not finished.
+/// The run's final model, or its newest verified checkpoint when training has not finished.
 pub fn load_model(run: &Path, recipe: &Recipe, device: &Device) -> Result<(Model, Weights)> {
     load_weights(run, &recipe.model_config(), device)
 }
 
 /// Weights for a model of `config` from a run directory (its final model, else its newest
-/// complete checkpoint) or from a model or checkpoint file.
+/// verified checkpoint) or from a model or checkpoint file.
 pub fn load_weights(
     path: &Path,
     config: &ModelConfig,
@@ -133,16 +140,20 @@ pub fn load_weights(
         if final_path.exists() {
             Weights::Final(final_path)
         } else {
-            let epoch = *complete_checkpoints(path).last().ok_or_else(|| {
+            let dir = path.join(CHECKPOINTS);
+            let (newest, rejected) = checkpoint::newest_with_warnings(&dir);
+            let newest = newest.ok_or_else(|| {
                 anyhow!(
-                    "{} has neither {FINAL_MODEL} nor a complete checkpoint",
-                    path.display()
+                    "{} has neither {FINAL_MODEL} nor a checkpoint that verifies{}",
+                    path.display(),
+                    match rejected.as_slice() {
+                        [] => String::new(),
+                        found => format!(" ({})", checkpoint::describe(found)),
+                    }
                 )
             })?;
-            Weights::Checkpoint(
-                epoch,
-                path.join(CHECKPOINTS).join(format!("model-{epoch}.bpk")),
-            )
+            let file = dir.join(checkpoint::part_name("model", newest.number));
+            Weights::Checkpoint(newest, file)
         }
     } else if path.is_file() {
         Weights::File(path.to_path_buf())

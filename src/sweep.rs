@@ -1,14 +1,24 @@
 //! `diffzoo sweep`: every recipe of a sweep (a recipe folder) into one sweep directory. Finished
 //! runs are skipped, interrupted ones resumed; each run is a `diffzoo train` child process with
 //! its output in `<run>/train.log`, so runs are isolated and `--jobs` runs them side by side.
+//!
+//! SIGINT or SIGTERM stops the sweep: each run in progress is sent SIGTERM (the children have
+//! their own process group, so a Ctrl-C reaches them once, through the sweep), checkpoints and
+//! stops, no further run starts, and the sweep exits with `train::RESUMABLE`; the same command
+//! continues it.
 
+use crate::Outcome;
 use crate::recipe::{self, Recipe};
 use crate::run;
+use crate::train::{checkpoint, lock, signals};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct SweepArgs {
@@ -106,14 +116,29 @@ pub fn summarize(run_dir: &Path, name: &str) -> Result<RunSummary> {
     })
 }
 
-/// Trains one member unless finished; returns an error message on failure.
-fn train_member(exe: &Path, run_dir: &Path, recipe: &str, device: Option<&str>) -> Result<()> {
+/// Trains one member unless finished; returns whether it finished (else it was stopped by a
+/// signal and can be resumed), or an error message on failure.
+fn train_member(exe: &Path, run_dir: &Path, recipe: &str, device: Option<&str>) -> Result<bool> {
     if run_dir.join(run::FINAL_MODEL).exists() {
-        return Ok(());
+        return Ok(true);
     }
-    let resume = !run::complete_checkpoints(run_dir).is_empty();
+    let checkpoints = run_dir.join(run::CHECKPOINTS);
+    let resume = checkpoint::resumable(&checkpoints);
     if !resume && run_dir.exists() {
-        // Interrupted before its first checkpoint: nothing to keep.
+        let found = checkpoint::scan(&checkpoints);
+        if found
+            .iter()
+            .any(|f| checkpoint::has_manifest(&checkpoints, f.number))
+        {
+            bail!(
+                "{recipe}: {} has checkpoints but none verifies ({}); look at them, or delete the directory to train it again",
+                run_dir.display(),
+                checkpoint::describe(&found)
+            );
+        }
+        // Stopped before its first checkpoint was complete: nothing to keep, unless a `train`
+        // is still writing it (the lock refuses then).
+        let _lock = lock::RunLock::take(run_dir)?;
         std::fs::remove_dir_all(run_dir)
             .with_context(|| format!("clearing {}", run_dir.display()))?;
     }
@@ -124,26 +149,49 @@ fn train_member(exe: &Path, run_dir: &Path, recipe: &str, device: Option<&str>) 
         .args(["train", "--recipe", recipe, "--no-dashboard", "--out"])
         .arg(run_dir)
         .stdout(log.try_clone()?)
-        .stderr(log);
+        .stderr(log)
+        .process_group(0);
     if resume {
         command.arg("--resume");
     }
     if let Some(device) = device {
         command.args(["--device", device]);
     }
-    let status = command
-        .status()
+    let mut child = command
+        .spawn()
         .with_context(|| format!("starting {}", exe.display()))?;
+    let mut forwarded = false;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if !forwarded && signals::received().is_some() {
+            // SAFETY: kill sends a signal to our own child's process id.
+            unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+            forwarded = true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    // Stopped, or ended at once by a signal (the sweep's passed on, or one of its own before it
+    // could stop): resumable from its checkpoints.
+    let by_signal = |signal: libc::c_int| {
+        status.signal() == Some(signal) || status.code() == Some(128 + signal)
+    };
+    if status.code() == Some(crate::train::RESUMABLE)
+        || (forwarded && (by_signal(libc::SIGTERM) || by_signal(libc::SIGINT)))
+    {
+        return Ok(false);
+    }
     if !status.success() {
         bail!(
             "{recipe} failed ({status}); see {}",
             run_dir.join("train.log").display()
         );
     }
-    Ok(())
+    Ok(true)
 }
 
-pub fn run(args: &SweepArgs) -> Result<()> {
+pub fn run(args: &SweepArgs) -> Result<Outcome> {
     let members = members(&args.sweep)?;
     for (_, recipe) in &members {
         recipe::resolve(recipe, &[])?;
@@ -155,17 +203,27 @@ pub fn run(args: &SweepArgs) -> Result<()> {
     let exe = std::env::current_exe().context("locating the diffzoo executable")?;
     let queue = Mutex::new(members.iter());
     let failures = Mutex::new(Vec::new());
+    let stopped = AtomicBool::new(false);
+    signals::install(false);
     std::thread::scope(|scope| {
         for _ in 0..args.jobs.max(1) {
             scope.spawn(|| {
                 loop {
+                    if signals::received().is_some() || stopped.load(Ordering::SeqCst) {
+                        break;
+                    }
                     let Some((name, recipe)) = queue.lock().expect("queue").next() else {
                         break;
                     };
                     let run_dir = out.join(name);
                     eprintln!("sweep: {name}");
-                    if let Err(e) = train_member(&exe, &run_dir, recipe, args.device.as_deref()) {
-                        failures.lock().expect("failures").push(format!("{e:#}"));
+                    match train_member(&exe, &run_dir, recipe, args.device.as_deref()) {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            eprintln!("sweep: {name} stopped (resumable)");
+                            stopped.store(true, Ordering::SeqCst);
+                        }
+                        Err(e) => failures.lock().expect("failures").push(format!("{e:#}")),
                     }
                 }
             });
@@ -203,5 +261,12 @@ pub fn run(args: &SweepArgs) -> Result<()> {
     if !failures.is_empty() {
         bail!("{} run(s) failed:\n{}", failures.len(), failures.join("\n"));
     }
-    Ok(())
+    if stopped.into_inner() || signals::received().is_some() {
+        println!(
+            "sweep stopped; the same `diffzoo sweep {}` command continues it",
+            args.sweep
+        );
+        return Ok(Outcome::Stopped);
+    }
+    Ok(Outcome::Done)
 }

@@ -6,6 +6,7 @@
 use super::{Common, Loaded, emit};
 use crate::plot::{Chart, Series};
 use crate::run;
+use crate::train::checkpoint;
 use anyhow::{Result, bail};
 use burn::data::dataloader::batcher::Batcher;
 use diffzoo_datasets::LmBatcher;
@@ -108,17 +109,16 @@ pub fn measure(loaded: &Loaded, run_dir: &std::path::Path) -> Result<Lambdas> {
     }
     let window = loaded.validation_windows()?.window(0);
     let config = loaded.recipe.model_config();
-    let interval = loaded.recipe.checkpoint.interval;
     let mut checkpoints = Vec::new();
-    for epoch in run::complete_checkpoints(run_dir) {
+    for checkpoint in run::verified_checkpoints(run_dir) {
         let file = run_dir
             .join(run::CHECKPOINTS)
-            .join(format!("model-{epoch}.bpk"));
+            .join(checkpoint::part_name("model", checkpoint.number));
         let (model, _) = run::load_weights(&file, &config, &loaded.device)?;
         let (mean, std) = layer_lambdas(loaded, &model, &window);
         checkpoints.push(LambdaAt {
-            step: (epoch * interval).min(loaded.recipe.total_steps()),
-            weights: format!("checkpoint {epoch}"),
+            step: checkpoint.step,
+            weights: format!("checkpoint {}", checkpoint.number),
             mean,
             std,
         });

@@ -3,6 +3,10 @@
 //! positions `k·B .. (k+1)·B` of the recipe's sample order, so a run resumed at a checkpoint
 //! continues with exactly the samples an uninterrupted run would have seen.
 //!
+//! A run resumed from a checkpoint of a stopped run (see [`super::control`]) starts
+//! mid-interval: its first epoch runs to the next multiple of the interval (see [`Intervals`]),
+//! and later ones are whole again.
+//!
 //! Data-parallel training ([`StepLoader::data_parallel`]) splits each step's samples into equal
 //! shares, one per device, in device order: rank `r` of `N` gets positions
 //! `k·B + r·B/N .. k·B + (r+1)·B/N`, so the devices together see exactly the samples one device
@@ -10,6 +14,7 @@
 //! (`split_dataloader`); a data-parallel loader therefore has `N ×` the epoch's steps as items,
 //! rank-major, and a slice is one rank's whole share.
 
+use super::control::{Control, Intervals};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
 use burn::data::dataset::DatasetError;
@@ -46,9 +51,11 @@ pub struct StepLoader {
     /// Sequences per item.
     sequences: usize,
     micro_batch: usize,
-    steps_per_epoch: usize,
-    total_steps: usize,
+    /// The steps of each epoch.
+    intervals: Intervals,
     epochs: Epochs,
+    /// Ends training epochs early, and skips validation, once the run pauses.
+    control: Option<Arc<Control>>,
     /// Items `range.0 .. range.1` of each epoch (a `slice` of the loader).
     range: Option<(usize, usize)>,
     /// Devices sharing each step (1: no data parallelism).
@@ -59,16 +66,14 @@ pub struct StepLoader {
 }
 
 impl StepLoader {
-    /// The training loader; the first `iter()` serves epoch `first_epoch` (1-based).
-    #[allow(clippy::too_many_arguments)]
+    /// The training loader; successive `iter()` calls serve the epochs of `intervals` from its
+    /// first.
     pub fn training(
         windows: Arc<TokenWindows>,
         seed: u64,
         sequences: usize,
         micro_batch: usize,
-        steps_per_epoch: usize,
-        total_steps: usize,
-        first_epoch: usize,
+        intervals: Intervals,
         device: Device,
     ) -> Self {
         let order = SampleOrder::shuffled(windows.len(), seed);
@@ -78,9 +83,9 @@ impl StepLoader {
             needles: None,
             sequences,
             micro_batch,
-            steps_per_epoch,
-            total_steps,
-            epochs: Epochs::Counter(Arc::new(AtomicUsize::new(first_epoch))),
+            intervals,
+            epochs: Epochs::Counter(Arc::new(AtomicUsize::new(intervals.first_epoch))),
+            control: None,
             range: None,
             ranks: 1,
             rank: None,
@@ -102,9 +107,14 @@ impl StepLoader {
             needles: None,
             sequences: micro_batch,
             micro_batch,
-            steps_per_epoch: batches,
-            total_steps: batches,
+            intervals: Intervals {
+                first_epoch: 1,
+                first_step: 0,
+                interval: batches,
+                total: batches,
+            },
             epochs: Epochs::Fixed,
+            control: None,
             range: None,
             ranks: 1,
             rank: None,
@@ -115,6 +125,12 @@ impl StepLoader {
     /// Replaces the windows `mix` chooses by its needle documents.
     pub fn with_needles(mut self, mix: NeedleMix) -> Self {
         self.needles = Some(Arc::new(mix));
+        self
+    }
+
+    /// Ends epochs early (training) or serves nothing (validation) once `control` pauses.
+    pub fn with_control(mut self, control: Arc<Control>) -> Self {
+        self.control = Some(control);
         self
     }
 
@@ -145,10 +161,7 @@ impl StepLoader {
 
     /// The first step and the number of steps of `epoch`.
     fn epoch_steps(&self, epoch: usize) -> (usize, usize) {
-        let first = (epoch - 1) * self.steps_per_epoch;
-        let count = self
-            .steps_per_epoch
-            .min(self.total_steps.saturating_sub(first));
+        let (first, count) = self.intervals.steps(epoch);
         match self.range {
             Some((start, end)) => (first + start, end.min(count).saturating_sub(start)),
             None => (first, count),
@@ -207,8 +220,18 @@ impl Iterator for StepIter<'_> {
         if self.done == self.total() {
             return None;
         }
+        let step = self.first + self.done % self.count;
+        if let Some(control) = &self.loader.control {
+            let serves = match self.loader.epochs {
+                Epochs::Counter(_) => control.serves_step(step),
+                Epochs::Fixed => control.serves_validation(),
+            };
+            if !serves {
+                return None;
+            }
+        }
         let rank = self.ranks.0 + self.done / self.count;
-        let item = self.loader.item(self.first + self.done % self.count, rank);
+        let item = self.loader.item(step, rank);
         self.done += 1;
         Some(Ok(item))
     }
@@ -222,6 +245,13 @@ impl DataLoaderIterator<StepBatch> for StepIter<'_> {
 
 impl DataLoader<StepBatch> for StepLoader {
     fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<StepBatch> + 'a> {
+        // The first rank's loader (the only one, on one device) is asked for an epoch only
+        // after the checkpoint of the epoch before: other ranks may get there earlier.
+        if let (Some(control), Epochs::Counter(_)) = (&self.control, &self.epochs)
+            && self.rank.unwrap_or(0) == 0
+        {
+            control.epoch_starts();
+        }
         let (first, count) = self.epoch_steps(self.take_epoch());
         Box::new(StepIter {
             loader: self,
@@ -324,8 +354,19 @@ mod tests {
         // 8 sequences in 4 micro-batches of 2 per step; epochs of 3 steps, 5 steps in all: a
         // fresh run (epochs of 3 and 2 steps) on 2 devices, a run resumed at epoch 2 on 4.
         for (ranks, first_epoch, epochs) in [(2, 1, vec![3, 2]), (4, 2, vec![2])] {
-            let single =
-                StepLoader::training(windows.clone(), 3, 8, 2, 3, 5, first_epoch, device.clone());
+            let single = StepLoader::training(
+                windows.clone(),
+                3,
+                8,
+                2,
+                Intervals {
+                    first_epoch,
+                    first_step: (first_epoch - 1) * 3,
+                    interval: 3,
+                    total: 5,
+                },
+                device.clone(),
+            );
             let parallel = single.clone().data_parallel(ranks);
             assert_eq!(parallel.num_items(), ranks * epochs[0]);
             let shares = split_dataloader(Arc::new(parallel), &vec![device.clone(); ranks]);
@@ -348,6 +389,64 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_run_resumed_mid_interval_finishes_that_interval_first_and_a_pause_ends_epochs() {
+        let dir = tempfile::tempdir().unwrap();
+        let windows = windows(dir.path());
+        let device = Device::flex();
+        let intervals = |first_epoch, first_step| Intervals {
+            first_epoch,
+            first_step,
+            interval: 3,
+            total: 8,
+        };
+        let loader = |first_epoch, first_step| {
+            StepLoader::training(
+                windows.clone(),
+                3,
+                2,
+                2,
+                intervals(first_epoch, first_step),
+                device.clone(),
+            )
+        };
+        let steps = |loader: &StepLoader| -> Vec<usize> {
+            epoch(loader).into_iter().map(|(step, _)| step).collect()
+        };
+        // Resumed as checkpoint 2 after 4 steps: epochs 3 and 4 run steps 4..6 and 6..8, and
+        // they are the samples of a run that never stopped.
+        let resumed = loader(3, 4);
+        let rest: Vec<_> = (0..2).flat_map(|_| epoch(&resumed)).collect();
+        let whole = loader(1, 0);
+        let all: Vec<_> = (0..3).flat_map(|_| epoch(&whole)).collect();
+        assert_eq!(
+            rest.iter().map(|(step, _)| *step).collect::<Vec<_>>(),
+            vec![4, 5, 6, 7]
+        );
+        assert_eq!(rest, all[4..]);
+
+        // A pause taken during an epoch ends it; validation is skipped mid-interval, and the
+        // next epoch stops the learner.
+        let interrupter = burn::train::Interrupter::new();
+        let control = Arc::new(Control::new(intervals(1, 0), interrupter.clone()));
+        let paused = loader(1, 0).with_control(control.clone());
+        let validation = StepLoader::validation(windows.clone(), 2, 2, device.clone())
+            .with_control(control.clone());
+        let mut iter = paused.iter();
+        assert_eq!(iter.next().unwrap().unwrap().step, 0);
+        control.pause(2, "SIGTERM");
+        assert_eq!(iter.next().unwrap().unwrap().step, 1);
+        assert!(iter.next().is_none(), "the epoch ends at the pause");
+        drop(iter);
+        assert!(epoch(&validation).is_empty(), "no validation mid-interval");
+        assert!(!interrupter.should_stop());
+        assert!(steps(&paused).is_empty());
+        assert!(
+            interrupter.should_stop(),
+            "the next epoch stops the learner"
+        );
     }
 
     #[test]

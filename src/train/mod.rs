@@ -7,17 +7,25 @@
 //! Burn's DDP runs one replica per GPU: each takes an equal share of every step's micro-batches
 //! and the gradients are all-reduced (mean) in the backward pass, so clipping and the update are
 //! those of one device seeing the whole batch (see [`loader`] and [`step`]).
+//!
+//! Checkpoints are verified (see [`checkpoint`]); SIGINT, SIGTERM and the dashboard's stop end
+//! the step in progress, write a checkpoint and exit with [`RESUMABLE`] (see [`control`]); a lock
+//! file keeps a second `train` out of a live run's directory.
 
 pub mod checkpoint;
+pub mod control;
 pub mod grads;
 pub mod loader;
+pub mod lock;
 pub mod metrics;
 #[cfg(test)]
 mod parity;
 mod quiet;
 pub mod schedule;
+pub mod signals;
 pub mod step;
 
+use crate::Outcome;
 use crate::device;
 use crate::recipe::{self, NeedleSection, OptimizerSection, Recipe};
 use crate::run;
@@ -30,8 +38,9 @@ use burn::tensor::{Device, DeviceConfig, FloatDType};
 use burn::train::checkpoint::KeepLastNCheckpoints;
 use burn::train::metric::LearningRateMetric;
 use burn::train::renderer::default_renderer;
-use burn::train::{ExecutionStrategy, Interrupter, Learner, SupervisedTraining};
-use checkpoint::AtomicCheckpointer;
+use burn::train::{ExecutionStrategy, Interrupter, Learner, LearningResult, SupervisedTraining};
+use checkpoint::{CheckpointWriter, Verified};
+use control::Intervals;
 use diffzoo_datasets::needle::NeedleMix;
 use diffzoo_datasets::{Split, TextTokenizer, TokenWindows};
 use loader::StepLoader;
@@ -41,6 +50,10 @@ use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use step::{StepContext, Trainee};
+
+/// The exit status of a run that stopped early with a checkpoint to resume from (sysexits'
+/// `EX_TEMPFAIL`: "try again later").
+pub const RESUMABLE: i32 = 75;
 
 /// What `diffzoo train` was asked.
 #[derive(Debug, Clone, clap::Args)]
@@ -67,6 +80,10 @@ pub struct TrainArgs {
     /// Print metric lines instead of the dashboard, even on a terminal.
     #[arg(long)]
     pub no_dashboard: bool,
+    /// Check every shard's SHA-256 against its manifest before training (sizes are always
+    /// checked).
+    #[arg(long)]
+    pub verify_data: bool,
 }
 
 /// A float dtype by its recipe name (`f32`, `bf16`, `f16`; validated recipes hold no other).
@@ -103,13 +120,14 @@ fn identity(recipe: &Recipe) -> String {
     recipe.to_toml()
 }
 
-/// Prepares the run directory; returns the checkpoint to resume from (0: a fresh run).
+/// Prepares the run directory; returns the checkpoint to resume from (number 0: a fresh run).
 fn prepare_run_dir(
     dir: &Path,
     recipe: &Recipe,
     tokenizer: &TextTokenizer,
     resume: bool,
-) -> Result<usize> {
+) -> Result<Verified> {
+    let fresh = Verified { number: 0, step: 0 };
     let recipe_path = dir.join(run::RECIPE);
     if !resume {
         if recipe_path.exists() {
@@ -118,11 +136,11 @@ fn prepare_run_dir(
                 dir.display()
             );
         }
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        checkpoint::mark_format(&dir.join(run::CHECKPOINTS)).map_err(|e| anyhow!(e))?;
         std::fs::write(&recipe_path, recipe.to_toml())
             .with_context(|| format!("writing {}", recipe_path.display()))?;
         tokenizer.save(&dir.join(run::TOKENIZER))?;
-        return Ok(0);
+        return Ok(fresh);
     }
     let stored = run::run_recipe(dir)?;
     if identity(&stored) != identity(recipe) {
@@ -147,20 +165,38 @@ fn prepare_run_dir(
             run::FINAL_MODEL
         );
     }
-    let epoch = run::complete_checkpoints(dir)
-        .last()
-        .copied()
-        .ok_or_else(|| {
-            anyhow!(
-                "{} has no complete checkpoint to resume from",
-                dir.display()
-            )
-        })?;
-    truncate_log(&dir.join(run::METRICS), epoch * recipe.checkpoint.interval)?;
-    Ok(epoch)
+    let checkpoints = dir.join(run::CHECKPOINTS);
+    checkpoint::remove_temporaries(dir);
+    checkpoint::remove_temporaries(&checkpoints);
+    let adopted = checkpoint::adopt_legacy(
+        &checkpoints,
+        recipe.checkpoint.interval,
+        recipe.total_steps(),
+    )
+    .map_err(|e| anyhow!(e))?;
+    if !adopted.is_empty() {
+        println!(
+            "checkpoints {adopted:?} had no manifests (written by an older diffzoo): manifests written for them as they are"
+        );
+    }
+    let (newest, rejected) = checkpoint::newest_with_warnings(&checkpoints);
+    let Some(newest) = newest else {
+        bail!(
+            "{} has no checkpoint that verifies, nothing to resume from{}",
+            dir.display(),
+            match rejected.as_slice() {
+                [] => String::new(),
+                found => format!(" ({})", checkpoint::describe(found)),
+            }
+        );
+    };
+    checkpoint::remove_unfinished(&checkpoints, newest.number).map_err(|e| anyhow!(e))?;
+    truncate_log(&dir.join(run::METRICS), newest.step)?;
+    Ok(newest)
 }
 
-/// Drops metrics logged after `step` (by a run killed after its last checkpoint).
+/// Drops metrics logged after `step` (by a run killed after its last checkpoint), and a line a
+/// kill cut short. The log is replaced whole: a kill while it is rewritten loses nothing.
 fn truncate_log(path: &Path, step: usize) -> Result<()> {
     let Ok(text) = std::fs::read_to_string(path) else {
         return Ok(());
@@ -175,7 +211,11 @@ fn truncate_log(path: &Path, step: usize) -> Result<()> {
         })
         .map(|line| format!("{line}\n"))
         .collect();
-    std::fs::write(path, kept).with_context(|| format!("rewriting {}", path.display()))
+    let tmp = path.with_extension("jsonl.tmp");
+    std::fs::write(&tmp, kept)
+        .and_then(|()| std::fs::File::open(&tmp)?.sync_all())
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .with_context(|| format!("rewriting {}", path.display()))
 }
 
 /// The optimizer: AdamW (decoupled decay) with no decay on parameters matching `no_decay`.
@@ -194,7 +234,7 @@ pub fn optimizer(o: &OptimizerSection) -> Result<burn::optim::ModuleOptimizer> {
         .with_group(no_decay, adamw(0.0).build(), None))
 }
 
-pub fn run(args: &TrainArgs) -> Result<()> {
+pub fn run(args: &TrainArgs) -> Result<Outcome> {
     let resolved = recipe::resolve(&args.recipe, &args.overrides)?;
     let recipe = &resolved.recipe;
     let specs = match (&args.device, args.devices.is_empty()) {
@@ -217,6 +257,15 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         .unwrap_or_else(|| Path::new("runs").join(&resolved.name));
 
     let (tokenizer, shards) = run::open_data(recipe)?;
+    if args.verify_data {
+        let (files, bytes) = shards
+            .verify()
+            .with_context(|| format!("`data.corpus` = {:?}", recipe.data.corpus))?;
+        println!(
+            "verified {files} shard files ({bytes} bytes) of {}",
+            shards.dir.display()
+        );
+    }
     if tokenizer.vocab_size() > recipe.model.vocab_size {
         bail!(
             "{}: the tokenizer has {} tokens but `model.vocab_size` = {}",
@@ -249,15 +298,16 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         .eval_batches
         .min(valid.len() as usize / micro);
 
-    let resume_from = prepare_run_dir(&dir, recipe, &tokenizer, args.resume)?;
-    let total = recipe.total_steps();
-    let interval = recipe.checkpoint.interval;
-    let epochs = total.div_ceil(interval);
-
+    let needles = recipe
+        .data
+        .needles
+        .as_ref()
+        .map(|needles| needle_mix(recipe, needles, &tokenizer))
+        .transpose()?;
     let train_device = device.clone().autodiff();
     train_device.seed(recipe.training.seed);
-    let model = match (&recipe.training.init_from, resume_from) {
-        (Some(path), 0) => {
+    let model = match (&recipe.training.init_from, args.resume) {
+        (Some(path), false) => {
             let (model, weights) =
                 run::load_weights(Path::new(path), &recipe.model_config(), &train_device)
                     .with_context(|| format!("`training.init_from` of {}", resolved.source))?;
@@ -265,6 +315,25 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             model
         }
         _ => recipe.model_config().init(&train_device),
+    };
+
+    // What the user gave is checked: from here on the run directory is written.
+    if args.resume && !dir.join(run::RECIPE).exists() {
+        bail!(
+            "{} is not a run directory to resume (no {})",
+            dir.display(),
+            run::RECIPE
+        );
+    }
+    let _lock = lock::RunLock::take(&dir)?;
+    let resume_from = prepare_run_dir(&dir, recipe, &tokenizer, args.resume)?;
+    let total = recipe.total_steps();
+    // The epochs left end at multiples of the interval (a stopped run's checkpoint may not).
+    let intervals = Intervals {
+        first_epoch: resume_from.number + 1,
+        first_step: resume_from.step,
+        interval: recipe.checkpoint.interval,
+        total,
     };
     let dashboard = !args.no_dashboard && std::io::stdout().is_terminal();
     let interrupter = Interrupter::new();
@@ -274,13 +343,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             schedule,
             recipe.optimizer.grad_clip,
             recipe.training.batch_tokens as u64,
-            total,
+            intervals,
             interrupter.clone(),
             (!dashboard).then_some(recipe.training.log_every),
             valid_batches,
             MetricsLog::open(&dir.join(run::METRICS))
                 .with_context(|| format!("opening {}", dir.join(run::METRICS).display()))?,
-            resume_from * interval,
         )
         .data_parallel(ranks),
     );
@@ -304,10 +372,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             "data parallel over {ranks} devices: {shares} micro-batches each per step, gradients averaged by all-reduce"
         );
     }
-    if resume_from > 0 {
+    if resume_from.number > 0 {
         println!(
-            "resuming from checkpoint {resume_from} (step {})",
-            resume_from * interval
+            "resuming from checkpoint {} (step {})",
+            resume_from.number, resume_from.step
         );
     }
 
@@ -316,13 +384,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         recipe.training.seed,
         recipe.batch_sequences(),
         micro,
-        interval,
-        total,
-        resume_from + 1,
+        intervals,
         device.clone(),
-    );
-    if let Some(needles) = &recipe.data.needles {
-        train_loader = train_loader.with_needles(needle_mix(recipe, needles, &tokenizer)?);
+    )
+    .with_control(context.control.clone());
+    if let Some(mix) = needles {
+        train_loader = train_loader.with_needles(mix);
     }
     let strategy = if ranks == 1 {
         ExecutionStrategy::single(train_device)
@@ -335,8 +402,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             },
         )
     };
-    let valid_loader = StepLoader::validation(valid, micro, valid_batches, device.clone());
-    let checkpoints = dir.join(run::CHECKPOINTS);
+    let valid_loader = StepLoader::validation(valid, micro, valid_batches, device.clone())
+        .with_control(context.control.clone());
+    let checkpoints = CheckpointWriter::new(
+        &dir.join(run::CHECKPOINTS),
+        (resume_from.number > 0).then_some(resume_from),
+        context.control.clone(),
+    );
     let mut training =
         SupervisedTraining::new(&dir, Arc::new(train_loader), Arc::new(valid_loader))
             .metric_train_numeric(StatMetric::loss())
@@ -347,27 +419,35 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             .metric_train_numeric(StatMetric::tokens_per_sec())
             .metric_train_numeric(StatMetric::grad_norm())
             .with_custom_checkpointers(
-                AtomicCheckpointer::new(&checkpoints, "model"),
-                AtomicCheckpointer::new(&checkpoints, "optim"),
-                AtomicCheckpointer::new(&checkpoints, "scheduler"),
+                checkpoints.part(checkpoint::PARTS[0]),
+                checkpoints.part(checkpoint::PARTS[1]),
+                checkpoints.part(checkpoint::PARTS[2]),
             )
             .with_checkpointing_strategy(KeepLastNCheckpoints::new(recipe.checkpoint.keep))
             .with_interrupter(interrupter)
             .with_training_strategy(strategy.into())
-            .num_epochs(epochs);
+            .num_epochs(intervals.last_epoch());
     if recipe.model.attention == diffzoo_models::AttentionKind::Diff {
         for layer in 0..recipe.model.layers {
             training = training.metric_train_numeric(StatMetric::lambda(layer));
         }
     }
-    // The dashboard's quit goes through the context, which stops every device at one step.
+    // Before the dashboard takes the terminal: an exit at once restores the terminal as it is now.
+    signals::install(dashboard);
+    // The dashboard's stop goes through the context, which pauses every device at one step.
     training = training.renderer(if dashboard {
-        default_renderer(context.requests(), (resume_from > 0).then_some(resume_from))
+        default_renderer(
+            context.requests(),
+            (resume_from.number > 0).then_some(resume_from.number),
+        )
     } else {
         Box::new(quiet::QuietRenderer)
     });
-    if resume_from > 0 {
-        training = training.checkpoint(resume_from);
+    if dashboard {
+        signals::ctrl_c_interrupts_soon();
+    }
+    if resume_from.number > 0 {
+        training = training.checkpoint(resume_from.number);
     }
     let scheduler = ModuleLrScheduler::new(ScheduleState::new(schedule));
     let result = training.launch(Learner::new(
@@ -376,23 +456,46 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         scheduler,
     ));
 
+    let LearningResult {
+        model,
+        renderer,
+        interrupted,
+        error,
+    } = result;
+    // Leaves the dashboard's screen before anything is printed.
+    drop(renderer);
     if let Some(failure) = context.failure() {
         bail!("{failure}");
     }
-    if let Some(error) = result.error {
+    if let Some(error) = error {
         bail!("training failed: {error}");
     }
-    if result.interrupted.is_some() {
+    let done = context.control.steps_done();
+    if done < total {
+        let why = match context.control.paused() {
+            Some((_, reason)) => reason,
+            None => interrupted
+                .and_then(|i| i.reason)
+                .unwrap_or_else(|| "no reason given".into()),
+        };
+        if checkpoints.newest().is_none_or(|c| c.step != done) {
+            bail!("training stopped at step {done} of {total} ({why}) without a checkpoint there");
+        }
+        let sets: String = args
+            .overrides
+            .iter()
+            .map(|o| format!(" --set {o}"))
+            .collect();
         println!(
-            "interrupted; resume with `diffzoo train --recipe {} --out {} --resume`",
+            "stopped at step {done} ({why}); continue with `diffzoo train --recipe {}{sets} --out {} --resume`",
             args.recipe,
             dir.display()
         );
-        return Ok(());
+        return Ok(Outcome::Stopped);
     }
-    run::save_final(&dir, &result.model.model)?;
+    run::save_final(&dir, &model.model)?;
     println!("done: {}", dir.join(run::FINAL_MODEL).display());
-    Ok(())
+    Ok(Outcome::Done)
 }
 
 /// The recipe's needle mixture, checked to fit its windows.

@@ -1,10 +1,12 @@
 //! One optimizer step as the learner sees it: forward and backward over every micro-batch,
 //! gradients averaged, clipped by their global norm; and validation batches.
 
+use super::control::{Control, Intervals};
 use super::grads;
 use super::loader::StepBatch;
 use super::metrics::{LogRecord, MetricsLog, StepStats};
 use super::schedule::Schedule;
+use super::signals;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{GradientsAccumulator, GradientsParams};
@@ -44,8 +46,10 @@ fn over_batches(
     (sum / batches.len() as f64, tokens)
 }
 
-/// How a run reports: the metrics log, printing (when no dashboard is shown) and stopping on a
-/// non-finite loss. Shared by the training and validation copies of the model.
+/// How a run reports and stops: the metrics log, printing (when no dashboard is shown),
+/// stopping on a non-finite loss or an unwritable log, and pausing at a step boundary when a
+/// signal or the dashboard asks (see [`super::control`]). Shared by the training and validation
+/// copies of the model.
 pub struct StepContext {
     pub schedule: Schedule,
     pub grad_clip: f64,
@@ -55,6 +59,7 @@ pub struct StepContext {
     print_every: Option<usize>,
     valid_batches: usize,
     requests: Interrupter,
+    pub control: Arc<Control>,
     /// Devices training data-parallel, each reporting its share of every step.
     rank_count: usize,
     ranks: Barrier,
@@ -65,14 +70,11 @@ struct ContextState {
     log: MetricsLog,
     started: Instant,
     last_step_end: Option<Instant>,
-    /// Optimizer steps completed.
-    steps_done: usize,
     valid: (f64, usize, usize),
     /// The ranks' summed losses and tokens of the step being gathered.
     gathering: (f64, usize),
     /// The last step's statistics, as recorded.
     gathered: Option<StepStats>,
-    failure: Option<String>,
 }
 
 impl std::fmt::Debug for StepContext {
@@ -82,25 +84,27 @@ impl std::fmt::Debug for StepContext {
 }
 
 impl StepContext {
-    /// `print_every`: print a line every so many steps (when no dashboard is shown).
+    /// A run over `intervals` (its steps done: their first step), stopped through the learner's
+    /// `interrupter`; `print_every`: print a line every so many steps (when no dashboard is
+    /// shown).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         schedule: Schedule,
         grad_clip: f64,
         batch_tokens: u64,
-        total_steps: usize,
+        intervals: Intervals,
         interrupter: Interrupter,
         print_every: Option<usize>,
         valid_batches: usize,
         log: MetricsLog,
-        steps_done: usize,
     ) -> Self {
         Self {
             schedule,
             grad_clip,
             batch_tokens,
-            total_steps,
-            requests: interrupter.clone(),
+            total_steps: intervals.total,
+            requests: Interrupter::new(),
+            control: Arc::new(Control::new(intervals, interrupter.clone())),
             interrupter,
             print_every,
             valid_batches,
@@ -110,31 +114,25 @@ impl StepContext {
                 log,
                 started: Instant::now(),
                 last_step_end: None,
-                steps_done,
                 valid: (0.0, 0, 0),
                 gathering: (0.0, 0),
                 gathered: None,
-                failure: None,
             }),
         }
     }
 
-    /// Steps are shared by `ranks` devices (data parallelism), each reporting its share. Stops
-    /// asked for from outside a step ([`StepContext::requests`]) then take effect at the next
-    /// step, on every rank at once.
+    /// Steps are shared by `ranks` devices (data parallelism), each reporting its share.
     pub fn data_parallel(mut self, ranks: usize) -> Self {
         self.rank_count = ranks;
         self.ranks = Barrier::new(ranks);
-        if ranks > 1 {
-            self.requests = Interrupter::new();
-        }
         self
     }
 
-    /// Where the dashboard and validation ask training to stop. On one device this is the
-    /// learner's interrupter. Under data parallelism Burn's workers each check that interrupter
-    /// between steps, and a worker that stops while the others go on would leave them waiting
-    /// in the gradient all-reduce forever: the request is passed on by the step leader instead.
+    /// Where the dashboard asks training to stop. The step leader takes the request (or a
+    /// signal) at the end of the next step and pauses the run there, on every rank at once
+    /// (under data parallelism Burn's workers each check the learner's interrupter between
+    /// steps, and a worker that stopped while the others went on would leave them waiting in the
+    /// gradient all-reduce); see [`super::control`].
     pub fn requests(&self) -> Interrupter {
         self.requests.clone()
     }
@@ -148,14 +146,14 @@ impl StepContext {
 
     /// Why training stopped early, if it did.
     pub fn failure(&self) -> Option<String> {
-        self.state.lock().expect("context lock").failure.clone()
+        self.control.failure()
     }
 
     /// Records step `step` once every rank has reported its share: the loss is the mean of the
     /// ranks' losses (each the mean of as many micro-batches), tokens their sum; the gradient
     /// norm and λ (equal on every rank up to rounding, after the all-reduce) are the leader's.
     /// Every rank gets the step's statistics back, and a stop decided here — or passed on from
-    /// [`StepContext::requests`] — is seen by all of them before any checks it.
+    /// [`StepContext::requests`] or a signal — is seen by all of them before any checks it.
     fn train_step(&self, step: usize, local: &StepStats, started: Instant) -> StepStats {
         {
             let mut state = self.state.lock().expect("context lock");
@@ -163,9 +161,11 @@ impl StepContext {
             state.gathering.1 += local.tokens;
         }
         if self.ranks.wait().is_leader() {
-            if self.requests.should_stop() && !self.interrupter.should_stop() {
-                self.interrupter
-                    .stop(self.requests.get_message().as_deref());
+            signals::ctrl_c_interrupts();
+            if let Some(failure) = self.control.failure()
+                && !self.interrupter.should_stop()
+            {
+                self.interrupter.stop(Some(&failure));
             }
             let mut state = self.state.lock().expect("context lock");
             let (loss, tokens) = std::mem::take(&mut state.gathering);
@@ -176,6 +176,7 @@ impl StepContext {
             };
             let stats = self.record(&mut state, step, &stats, started);
             state.gathered = Some(stats);
+            self.take_stop_request(step + 1);
         }
         self.ranks.wait();
         let state = self.state.lock().expect("context lock");
@@ -195,7 +196,7 @@ impl StepContext {
         let now = Instant::now();
         let since = state.last_step_end.unwrap_or(started);
         state.last_step_end = Some(now);
-        state.steps_done = step + 1;
+        self.control.step_done(step + 1);
         let stats = StepStats {
             tokens_per_sec: Some(stats.tokens as f64 / (now - since).as_secs_f64().max(1e-9)),
             ..stats.clone()
@@ -213,8 +214,9 @@ impl StepContext {
             elapsed_sec: state.started.elapsed().as_secs_f64(),
         };
         if let Err(e) = state.log.write(&record) {
-            self.interrupter
-                .stop(Some(&format!("cannot write the metrics log: {e}")));
+            let reason = format!("cannot write the metrics log: {e}");
+            self.interrupter.stop(Some(&reason));
+            self.control.fail(reason);
         }
         if let Some(every) = self.print_every
             && ((step + 1).is_multiple_of(every) || step + 1 == self.total_steps || step == 0)
@@ -247,10 +249,28 @@ impl StepContext {
                 stats.loss,
                 stats.grad_norm
             );
-            state.failure = Some(reason.clone());
             self.interrupter.stop(Some(&reason));
+            self.control.fail(reason);
         }
         stats
+    }
+
+    /// Pauses after `done` steps if a signal or the dashboard asked for a stop.
+    fn take_stop_request(&self, done: usize) {
+        if self.interrupter.should_stop() || self.control.paused().is_some() {
+            return;
+        }
+        let reason = match signals::received() {
+            Some(signal) => signal.to_string(),
+            None if self.requests.should_stop() => "the dashboard's stop".to_string(),
+            None => return,
+        };
+        self.control.pause(done, &reason);
+        if self.print_every.is_some() {
+            println!(
+                "{reason}: stopping after step {done} and writing a checkpoint (a second SIGINT or SIGTERM exits at once)"
+            );
+        }
     }
 
     fn valid_batch(&self, stats: &StepStats) {
@@ -266,7 +286,7 @@ impl StepContext {
         }
         let (sum, tokens, _) = std::mem::take(&mut state.valid);
         let loss = sum / tokens as f64;
-        let step = state.steps_done;
+        let step = self.control.steps_done();
         let record = LogRecord {
             split: "validation",
             step,
@@ -280,8 +300,8 @@ impl StepContext {
             elapsed_sec: state.started.elapsed().as_secs_f64(),
         };
         if let Err(e) = state.log.write(&record) {
-            self.requests
-                .stop(Some(&format!("cannot write the metrics log: {e}")));
+            self.control
+                .fail(format!("cannot write the metrics log: {e}"));
         }
         if self.print_every.is_some() {
             println!(
@@ -373,16 +393,21 @@ mod tests {
     fn context(dir: &std::path::Path, ranks: usize) -> Arc<StepContext> {
         let micro = recipe::resolve("micro", &[]).unwrap().recipe;
         let log = MetricsLog::open(&dir.join("metrics.jsonl")).unwrap();
+        let intervals = Intervals {
+            first_epoch: 1,
+            first_step: 0,
+            interval: 10,
+            total: 20,
+        };
         let context = StepContext::new(
             Schedule::from_recipe(&micro),
             1.0,
             256,
-            20,
+            intervals,
             Interrupter::new(),
             None,
             2,
             log,
-            0,
         );
         Arc::new(context.data_parallel(ranks))
     }
@@ -436,21 +461,23 @@ mod tests {
     }
 
     #[test]
-    fn a_stop_asked_between_steps_reaches_every_rank_at_the_next_step() {
+    fn a_stop_asked_between_steps_pauses_every_rank_after_the_next_step() {
         let dir = tempfile::tempdir().unwrap();
-        let one = context(dir.path(), 1);
-        one.requests().stop(Some("quit"));
-        assert!(one.interrupter.should_stop(), "one device: at once");
-
-        let context = context(dir.path(), 2);
-        context.requests().stop(Some("quit"));
-        assert!(
-            !context.interrupter.should_stop(),
-            "Burn's workers must not see it before the step leader passes it on"
-        );
-        report(&context, 0, &[1.0, 1.0]);
-        assert!(context.interrupter.should_stop());
-        assert_eq!(context.interrupter.get_message().as_deref(), Some("quit"));
+        for ranks in [1, 2] {
+            let context = context(dir.path(), ranks);
+            context.requests().stop(Some("quit"));
+            assert!(context.control.paused().is_none());
+            let got = report(&context, 4, &vec![1.0; ranks]);
+            assert_eq!(
+                context.control.paused(),
+                Some((5, "the dashboard's stop".to_string()))
+            );
+            assert!(
+                !context.interrupter.should_stop(),
+                "the step's update is applied and the learner goes on to checkpoint"
+            );
+            assert!(got.iter().all(|s| s.loss == 1.0));
+        }
     }
 
     #[test]

@@ -16,14 +16,17 @@ pub const BACKENDS: &[&str] = &[
     "tch",
 ];
 
-/// Runs the binary with a shared cache (tokenizers and shards are made once per test run).
-pub fn diffzoo(args: &[&str]) -> Output {
+/// The binary with a shared cache (tokenizers and shards are made once per test run).
+pub fn command(args: &[&str]) -> Command {
     let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("diffzoo-cache");
-    Command::new(env!("CARGO_BIN_EXE_diffzoo"))
-        .args(args)
-        .env("DIFFZOO_CACHE", cache)
-        .output()
-        .expect("the binary runs")
+    let mut command = Command::new(env!("CARGO_BIN_EXE_diffzoo"));
+    command.args(args).env("DIFFZOO_CACHE", cache);
+    command
+}
+
+/// Runs the binary to its end.
+pub fn diffzoo(args: &[&str]) -> Output {
+    command(args).output().expect("the binary runs")
 }
 
 pub fn ok(args: &[&str]) -> String {
