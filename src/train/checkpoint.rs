@@ -329,18 +329,24 @@ fn write_manifest(dir: &Path, number: usize, step: usize) -> Result<(), String> 
     let manifest = Manifest::new(number, step, files);
     let json = serde_json::to_string_pretty(&manifest).expect("a manifest serializes");
     let path = dir.join(manifest_name(number));
-    let tmp = temporary(&path);
+    write_whole(&path, json.as_bytes()).map_err(|e| format!("writing {}: {e}", path.display()))?;
+    sync_dir(dir)
+}
+
+/// Writes `bytes` to a temporary name, fsyncs and renames it to `path`: a crash leaves the old
+/// file or the new one, never a torn one (nothing is left under the temporary name on failure).
+pub fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = temporary(path);
     let written = File::create(&tmp)
         .and_then(|mut file| {
-            file.write_all(json.as_bytes())?;
+            file.write_all(bytes)?;
             file.sync_all()
         })
-        .and_then(|()| std::fs::rename(&tmp, &path));
-    if let Err(e) = written {
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
         let _ = std::fs::remove_file(&tmp);
-        return Err(format!("writing {}: {e}", path.display()));
     }
-    sync_dir(dir)
+    written
 }
 
 fn temporary(path: &Path) -> PathBuf {

@@ -211,10 +211,7 @@ fn truncate_log(path: &Path, step: usize) -> Result<()> {
         })
         .map(|line| format!("{line}\n"))
         .collect();
-    let tmp = path.with_extension("jsonl.tmp");
-    std::fs::write(&tmp, kept)
-        .and_then(|()| std::fs::File::open(&tmp)?.sync_all())
-        .and_then(|()| std::fs::rename(&tmp, path))
+    checkpoint::write_whole(path, kept.as_bytes())
         .with_context(|| format!("rewriting {}", path.display()))
 }
 
