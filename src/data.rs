@@ -1,10 +1,15 @@
-//! `diffzoo data prepare`: text files into token shards; `diffzoo data verify`: shards checked
-//! against their manifest.
+//! `diffzoo data prepare`: text files into token shards, on one machine, as part I of N
+//! (`--part`, merged by `diffzoo data merge`), or as Slurm jobs (`--slurm N`);
+//! `diffzoo data tokenizer`: the BPE alone, trained once before the parts;
+//! `diffzoo data verify`: shards checked against their manifest.
 
-use anyhow::{Result, bail};
-use diffzoo_datasets::shards::prepare as prepare_shards;
+use crate::slurm::{self, After, Job, SlurmArgs};
+use anyhow::{Context, Result, bail};
+use diffzoo_datasets::input::InputFile;
+use diffzoo_datasets::parts::{self, part_dir};
+use diffzoo_datasets::shards::{MANIFEST, SplitRule, prepare as prepare_shards};
 use diffzoo_datasets::{Documents, PrepareOptions, TextTokenizer, TokenDtype, input};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct PrepareArgs {
@@ -20,13 +25,14 @@ pub struct PrepareArgs {
     /// Text bytes read from the inputs to train the BPE on.
     #[arg(long, default_value_t = 256 << 20)]
     tokenizer_sample_bytes: usize,
-    /// Output directory.
+    /// Output directory (with --part or --slurm: the directory holding the parts).
     #[arg(long)]
     out: PathBuf,
     /// JSON field holding the text of .jsonl inputs.
     #[arg(long, default_value = "text")]
     text_field: String,
-    /// Every N-th document goes to the validation split (0: none).
+    /// About one document in N goes to the validation split, chosen by the SHA-256 of its text
+    /// (0: none).
     #[arg(long, default_value_t = 200)]
     validation_every: usize,
     /// Tokens per shard file.
@@ -35,9 +41,22 @@ pub struct PrepareArgs {
     /// Token storage: u16 or u32 (default: u16 when the vocabulary fits).
     #[arg(long)]
     dtype: Option<String>,
-    /// Replace an existing output directory.
+    /// Replace an existing output directory (with --part: that part's).
     #[arg(long)]
     overwrite: bool,
+    /// Prepare only part I of N (I from 0) of the inputs into OUT/part-I; `diffzoo data merge
+    /// OUT` joins the parts. Needs --tokenizer.
+    #[arg(long, value_name = "I/N", conflicts_with = "slurm")]
+    part: Option<String>,
+    /// Write (or with --submit, submit) Slurm jobs preparing the inputs in N parts: the
+    /// tokenizer (with --vocab-size), an array of N parts, the merge.
+    #[arg(long, value_name = "N")]
+    slurm: Option<usize>,
+    #[command(flatten)]
+    slurm_args: SlurmArgs,
+    /// CPUs of each part's task (with --slurm).
+    #[arg(long, default_value_t = 8, requires = "slurm")]
+    cpus_per_task: usize,
     /// Print the manifest as JSON.
     #[arg(long)]
     json: bool,
@@ -53,37 +72,44 @@ pub fn prepare(args: &PrepareArgs) -> Result<()> {
     if args.shard_tokens == 0 {
         bail!("--shard-tokens must be positive");
     }
-    if args.out.exists() && !args.overwrite {
+    if let Some(count) = args.slurm {
+        return slurm_jobs(args, count);
+    }
+    let part = args.part.as_deref().map(parse_part).transpose()?;
+    let out = match part {
+        Some((index, _)) => part_dir(&args.out, index),
+        None => args.out.clone(),
+    };
+    if out.exists() && !args.overwrite {
         bail!(
             "{}: already exists (pass --overwrite to replace it)",
-            args.out.display()
+            out.display()
         );
     }
     let (files, skipped) = input::resolve(&args.inputs)?;
     let tokenizer = match (&args.tokenizer, args.vocab_size) {
         (Some(path), _) => TextTokenizer::from_file(path)?,
-        (None, Some(vocab)) => {
-            let mut sample = Vec::new();
-            let mut bytes = 0;
-            for doc in Documents::new(files.clone(), &args.text_field) {
-                let doc = doc?;
-                bytes += doc.text.len();
-                sample.push(doc.text);
-                if bytes >= args.tokenizer_sample_bytes {
-                    break;
-                }
-            }
-            eprintln!(
-                "training a byte-level BPE of {vocab} tokens on {:.1} MB of text",
-                bytes as f64 / 1e6
-            );
-            TextTokenizer::train_bpe(sample.iter().map(String::as_str), vocab)?
-        }
+        (None, Some(_)) if part.is_some() => bail!(
+            "--part needs --tokenizer FILE, one tokenizer for every part: train it first with `diffzoo data tokenizer --input ... --vocab-size N --out FILE`"
+        ),
+        (None, Some(vocab)) => train_tokenizer(&files, vocab, args)?,
         (None, None) => bail!("give --tokenizer FILE or --vocab-size N"),
     };
+    let (files, part_info) = match part {
+        Some((index, count)) => {
+            let (files, info) = parts::select(files, index, count)?;
+            (files, Some(info))
+        }
+        None => (files, None),
+    };
+    if part.is_some() {
+        remove_stale_merge(&args.out)?;
+    }
     let options = PrepareOptions {
-        out: args.out.clone(),
+        out: out.clone(),
         validation_every: args.validation_every,
+        split_rule: SplitRule::Sha256,
+        part: part_info,
         shard_tokens: args.shard_tokens,
         dtype,
         overwrite: args.overwrite,
@@ -100,7 +126,7 @@ pub fn prepare(args: &PrepareArgs) -> Result<()> {
     } else {
         println!(
             "{}: {} train tokens in {} documents, {} validation tokens in {} documents, {} shard files, tokenizer {}",
-            args.out.display(),
+            out.display(),
             manifest.train.tokens,
             manifest.train.documents,
             manifest.validation.tokens,
@@ -108,19 +134,65 @@ pub fn prepare(args: &PrepareArgs) -> Result<()> {
             manifest.train.shards.len() + manifest.validation.shards.len(),
             manifest.tokenizer.hash
         );
-        if !manifest.skipped.is_empty() {
-            println!(
-                "skipped {} (listed in manifest.json):",
-                manifest.skipped.len()
-            );
-            for skip in manifest.skipped.iter().take(10) {
-                match skip.line {
-                    Some(line) => println!("  {}:{line}: {}", skip.file, skip.reason),
-                    None => println!("  {}: {}", skip.file, skip.reason),
-                }
-            }
-        }
+        print_skipped(&manifest.skipped);
     }
+    Ok(())
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct TokenizerArgs {
+    /// Input files or directories, as for `data prepare`.
+    #[arg(long = "input", required = true, num_args = 1..)]
+    inputs: Vec<PathBuf>,
+    /// Vocabulary size of the byte-level BPE.
+    #[arg(long)]
+    vocab_size: usize,
+    /// Text bytes read from the inputs to train on.
+    #[arg(long, default_value_t = 256 << 20)]
+    tokenizer_sample_bytes: usize,
+    /// JSON field holding the text of .jsonl inputs.
+    #[arg(long, default_value = "text")]
+    text_field: String,
+    /// Where to write tokenizer.json.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+/// Trains the BPE that `data prepare --vocab-size` would, and writes it alone.
+pub fn tokenizer(args: &TokenizerArgs) -> Result<()> {
+    let (files, _) = input::resolve(&args.inputs)?;
+    let tokenizer = train_tokenizer(
+        &files,
+        args.vocab_size,
+        Sample {
+            bytes: args.tokenizer_sample_bytes,
+            text_field: &args.text_field,
+        },
+    )?;
+    tokenizer.save(&args.out)?;
+    println!("{}: tokenizer {}", args.out.display(), tokenizer.hash());
+    Ok(())
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct MergeArgs {
+    /// The directory holding part-0 ... part-(N-1) from `data prepare --part`.
+    dir: PathBuf,
+}
+
+/// Writes one manifest over all parts of a partitioned preparation.
+pub fn merge(args: &MergeArgs) -> Result<()> {
+    let (manifest, count) = parts::merge(&args.dir)?;
+    println!(
+        "{}: {count} parts merged: {} train tokens in {} documents, {} validation tokens in {} documents, tokenizer {}",
+        args.dir.display(),
+        manifest.train.tokens,
+        manifest.train.documents,
+        manifest.validation.tokens,
+        manifest.validation.documents,
+        manifest.tokenizer.hash
+    );
+    print_skipped(&manifest.skipped);
     Ok(())
 }
 
@@ -139,5 +211,231 @@ pub fn verify(args: &VerifyArgs) -> Result<()> {
         "{}: {files} shard files ({bytes} bytes) and the tokenizer match manifest.json",
         args.dir.display()
     );
+    Ok(())
+}
+
+/// Removes the manifest of an earlier merge of the parts in `out` (it goes stale once a part is
+/// prepared again); refuses a shard directory of its own. Parts prepared at the same time may
+/// each find it, or find it gone.
+fn remove_stale_merge(out: &Path) -> Result<()> {
+    let merged = out.join(MANIFEST);
+    let text = match std::fs::read_to_string(&merged) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", merged.display())),
+    };
+    let manifest: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    let of_parts = ["train", "validation"].iter().all(|split| {
+        manifest[split]["shards"].as_array().is_some_and(|shards| {
+            shards
+                .iter()
+                .all(|s| s["file"].as_str().is_some_and(|f| f.starts_with("part-")))
+        })
+    });
+    if !of_parts {
+        bail!(
+            "{}: a shard directory of its own; --part writes part-I directories into a directory of parts (choose another --out)",
+            out.display()
+        );
+    }
+    match std::fs::remove_file(&merged) {
+        Ok(()) => eprintln!(
+            "removed {}: the merge is stale once a part is prepared again; run `diffzoo data merge {}`",
+            merged.display(),
+            out.display()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("removing {}", merged.display())),
+    }
+    Ok(())
+}
+
+/// `I/N` with I < N.
+fn parse_part(text: &str) -> Result<(usize, usize)> {
+    let parsed = text
+        .split_once('/')
+        .and_then(|(i, n)| Some((i.parse::<usize>().ok()?, n.parse::<usize>().ok()?)));
+    match parsed {
+        Some((index, count)) if index < count => Ok((index, count)),
+        _ => bail!("--part {text}: expected I/N with parts numbered 0 to N-1, e.g. 0/8"),
+    }
+}
+
+/// What the BPE is trained on.
+struct Sample<'a> {
+    bytes: usize,
+    text_field: &'a str,
+}
+
+impl<'a> From<&'a PrepareArgs> for Sample<'a> {
+    fn from(args: &'a PrepareArgs) -> Self {
+        Self {
+            bytes: args.tokenizer_sample_bytes,
+            text_field: &args.text_field,
+        }
+    }
+}
+
+fn train_tokenizer<'a>(
+    files: &[InputFile],
+    vocab: usize,
+    sample: impl Into<Sample<'a>>,
+) -> Result<TextTokenizer> {
+    let sample = sample.into();
+    let mut texts = Vec::new();
+    let mut bytes = 0;
+    for doc in Documents::new(files.to_vec(), sample.text_field) {
+        let doc = doc?;
+        bytes += doc.text.len();
+        texts.push(doc.text);
+        if bytes >= sample.bytes {
+            break;
+        }
+    }
+    eprintln!(
+        "training a byte-level BPE of {vocab} tokens on {:.1} MB of text",
+        bytes as f64 / 1e6
+    );
+    Ok(TextTokenizer::train_bpe(
+        texts.iter().map(String::as_str),
+        vocab,
+    )?)
+}
+
+fn print_skipped(skipped: &[diffzoo_datasets::Skip]) {
+    if skipped.is_empty() {
+        return;
+    }
+    println!("skipped {} (listed in manifest.json):", skipped.len());
+    for skip in skipped.iter().take(10) {
+        match skip.line {
+            Some(line) => println!("  {}:{line}: {}", skip.file, skip.reason),
+            None => println!("  {}: {}", skip.file, skip.reason),
+        }
+    }
+}
+
+/// `--slurm N`: the tokenizer job (when one is trained), an array of N parts, the merge.
+fn slurm_jobs(args: &PrepareArgs, count: usize) -> Result<()> {
+    if count == 0 {
+        bail!("--slurm 0: expected the number of parts (at least 1)");
+    }
+    let (files, _) = input::resolve(&args.inputs)?;
+    // Checks the partition now rather than in N failed tasks.
+    parts::select(files, 0, count)?;
+    let exe = slurm::executable()?;
+    let absolute = |p: &Path| -> Result<String> {
+        Ok(std::path::absolute(p)
+            .with_context(|| format!("resolving {}", p.display()))?
+            .display()
+            .to_string())
+    };
+    let out = absolute(&args.out)?;
+    let inputs = args
+        .inputs
+        .iter()
+        .map(|p| absolute(p))
+        .collect::<Result<Vec<_>>>()?;
+    let mut jobs = Vec::new();
+    let tokenizer = match (&args.tokenizer, args.vocab_size) {
+        (Some(path), _) => absolute(path)?,
+        (None, Some(vocab)) => {
+            let path = format!("{out}/tokenizer-bpe-{vocab}.json");
+            let mut words = vec![
+                exe.clone(),
+                "data".into(),
+                "tokenizer".into(),
+                "--input".into(),
+            ];
+            words.extend(inputs.iter().cloned());
+            words.extend([
+                "--vocab-size".into(),
+                vocab.to_string(),
+                "--tokenizer-sample-bytes".into(),
+                args.tokenizer_sample_bytes.to_string(),
+                "--text-field".into(),
+                args.text_field.clone(),
+                "--out".into(),
+                path.clone(),
+            ]);
+            jobs.push(Job {
+                name: "tokenizer".into(),
+                about: vec![format!(
+                    "Trains the byte-level BPE of {vocab} tokens once, before the parts."
+                )],
+                options: vec![format!("--cpus-per-task={}", args.cpus_per_task)],
+                array: None,
+                setup: Vec::new(),
+                command: slurm::command_line(&words),
+                resumable: false,
+                after: None,
+            });
+            path
+        }
+        (None, None) => bail!("give --tokenizer FILE or --vocab-size N"),
+    };
+    let mut words = vec![
+        exe.clone(),
+        "data".into(),
+        "prepare".into(),
+        "--input".into(),
+    ];
+    words.extend(inputs.iter().cloned());
+    words.extend([
+        "--tokenizer".into(),
+        tokenizer,
+        "--out".into(),
+        out.clone(),
+        "--text-field".into(),
+        args.text_field.clone(),
+        "--validation-every".into(),
+        args.validation_every.to_string(),
+        "--shard-tokens".into(),
+        args.shard_tokens.to_string(),
+        // A requeued task starts its part again.
+        "--overwrite".into(),
+    ]);
+    if let Some(dtype) = &args.dtype {
+        words.extend(["--dtype".into(), dtype.clone()]);
+    }
+    let prepare = format!(
+        "{} --part \"${{SLURM_ARRAY_TASK_ID}}/{count}\"",
+        slurm::command_line(&words)
+    );
+    let after_tokenizer = (!jobs.is_empty()).then_some(After::Ok(0));
+    jobs.push(Job {
+        name: "prepare".into(),
+        about: vec![
+            format!(
+                "Prepares part $SLURM_ARRAY_TASK_ID of {count} of the inputs into {out}/part-I"
+            ),
+            "(contiguous runs of the input files of about equal size).".into(),
+        ],
+        options: vec![format!("--cpus-per-task={}", args.cpus_per_task)],
+        array: Some(count),
+        setup: Vec::new(),
+        command: prepare,
+        resumable: false,
+        after: after_tokenizer,
+    });
+    let parts_job = jobs.len() - 1;
+    jobs.push(Job {
+        name: "merge".into(),
+        about: vec![format!(
+            "Writes one manifest over the {count} parts: train on {out}."
+        )],
+        options: vec!["--cpus-per-task=1".into()],
+        array: None,
+        setup: Vec::new(),
+        command: slurm::command_line(&[exe, "data".into(), "merge".into(), out.clone()]),
+        resumable: false,
+        after: Some(After::Ok(parts_job)),
+    });
+    let common = args.slurm_args.common(args.slurm_args.fixed_time()?)?;
+    slurm::Plan {
+        dir: Path::new(&out).join("slurm"),
+        jobs,
+    }
+    .write_and_submit(&args.slurm_args, &common)?;
     Ok(())
 }

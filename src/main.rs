@@ -12,6 +12,7 @@ mod plot;
 mod recipe;
 mod run;
 mod scaling;
+mod slurm;
 mod sweep;
 mod train;
 
@@ -145,7 +146,11 @@ enum ScalingCommand {
 #[derive(Subcommand)]
 enum DataCommand {
     /// Tokenize text files (.txt, .jsonl, their .gz, directories) into shards.
-    Prepare(data::PrepareArgs),
+    Prepare(Box<data::PrepareArgs>),
+    /// Train a byte-level BPE tokenizer alone (once, before preparing parts on many machines).
+    Tokenizer(data::TokenizerArgs),
+    /// Write one manifest over the parts of `data prepare --part I/N` (copying nothing).
+    Merge(data::MergeArgs),
     /// Check a shard directory: every shard's size and SHA-256 against its manifest.
     Verify(data::VerifyArgs),
 }
@@ -202,6 +207,8 @@ fn dispatch(cli: Cli) -> Result<Outcome> {
         Command::Bench(args) => bench::run(&args),
         Command::Data { command } => match command {
             DataCommand::Prepare(args) => data::prepare(&args),
+            DataCommand::Tokenizer(args) => data::tokenizer(&args),
+            DataCommand::Merge(args) => data::merge(&args),
             DataCommand::Verify(args) => data::verify(&args),
         },
         Command::Import { command } => match command {

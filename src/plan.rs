@@ -163,6 +163,13 @@ fn block_elements(config: &ModelConfig, seq_len: usize, b: f64) -> f64 {
     4.0 * dm + (q + 2.0 * kv) + (q + kv) + copies + attention + dm + 4.0 * ffn + extra
 }
 
+/// Whether a plan of this fit runs on `gpus` GPUs of one node, its micro-batches shared out.
+fn runnable(fit: Fit, gpus: usize, micro_batches: usize) -> bool {
+    fit == Fit::Fits
+        && (gpus == 1
+            || (gpus <= GPUS_PER_NODE && crate::train::loader::shares(micro_batches, gpus).is_ok()))
+}
+
 impl Plan {
     /// Plans `recipe` on `gpu`; `gpus` fixes the device count for the time estimate (default
     /// one).
@@ -208,10 +215,7 @@ impl Plan {
         };
         let gpus = gpus.unwrap_or(1);
         let micro_batches = recipe.accumulation();
-        let runnable = fit == Fit::Fits
-            && (gpus == 1
-                || (gpus <= GPUS_PER_NODE
-                    && crate::train::loader::shares(micro_batches, gpus).is_ok()));
+        let runnable = runnable(fit, gpus, micro_batches);
         let training_flops = recipe.derived().training_flops;
         let seconds = gpu
             .peak_flops
@@ -240,6 +244,11 @@ impl Plan {
         };
         plan.data_parallel = plan.data_parallel_advice();
         Ok(plan)
+    }
+
+    /// Whether `diffzoo train` can run it on `gpus` GPUs.
+    pub fn runnable(&self) -> bool {
+        runnable(self.fit, self.gpus, self.micro_batches)
     }
 
     /// How `diffzoo train` runs the plan on several GPUs (nothing for one, or when it cannot run).

@@ -1,6 +1,9 @@
 //! `diffzoo sweep`: every recipe of a sweep (a recipe folder) into one sweep directory. Finished
 //! runs are skipped, interrupted ones resumed; each run is a `diffzoo train` child process with
 //! its output in `<run>/train.log`, so runs are isolated and `--jobs` runs them side by side.
+//! `--slurm` writes (and with `--submit` submits) the same work as a Slurm job array, one task
+//! per unfinished run (`--only`), and a job after it that writes the summary and fits the
+//! scaling law (`--summarize`); `--status` says where each run stands.
 //!
 //! SIGINT or SIGTERM stops the sweep: each run in progress is sent SIGTERM (the children have
 //! their own process group, so a Ctrl-C reaches them once, through the sweep), checkpoints and
@@ -8,8 +11,10 @@
 //! continues it.
 
 use crate::Outcome;
+use crate::plan::{Gpu, Plan};
 use crate::recipe::{self, Recipe};
 use crate::run;
+use crate::slurm::{self, After, Job, SlurmArgs};
 use crate::train::{checkpoint, lock, signals};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
@@ -33,6 +38,39 @@ pub struct SweepArgs {
     /// Device for every run (default: each recipe's).
     #[arg(long)]
     pub device: Option<String>,
+    /// Devices of every run, trained data-parallel on one machine (e.g. cuda:0,cuda:1).
+    #[arg(long, value_delimiter = ',', conflicts_with = "device")]
+    pub devices: Vec<String>,
+    /// Train only this run of the sweep (what each Slurm array task does).
+    #[arg(long, value_name = "RUN")]
+    pub only: Option<String>,
+    /// Train nothing: write summary.json and fit the scaling law over the runs (the Slurm
+    /// job after the array).
+    #[arg(long, conflicts_with_all = ["only", "slurm", "status"])]
+    pub summarize: bool,
+    /// With --summarize: the scaling fit's x (params or tokens).
+    #[arg(long, default_value = "params", value_parser = ["params", "tokens"])]
+    pub fit_axis: String,
+    /// Say where each run stands: finished, running, pending, stopped, failed (from the run
+    /// directories, and from squeue and sacct when they are on PATH).
+    #[arg(long, conflicts_with_all = ["only", "slurm"])]
+    pub status: bool,
+    /// Write a Slurm job array for the unfinished runs and a job that summarises after them
+    /// (into OUT/slurm); with --submit, submit them.
+    #[arg(long, conflicts_with = "only")]
+    pub slurm: bool,
+    #[command(flatten)]
+    pub slurm_args: SlurmArgs,
+    /// GPU each run gets, for the planner: h100, h200, a100 or a memory size in GB (with
+    /// --slurm; without it, runs are CPU jobs).
+    #[arg(long, requires = "slurm")]
+    pub gpu: Option<String>,
+    /// GPUs of each run (one node; more than one trains data-parallel).
+    #[arg(long, default_value_t = 1, requires = "gpu")]
+    pub gpus_per_run: usize,
+    /// CPUs of each run's task (default: the partition's).
+    #[arg(long, requires = "slurm", value_parser = clap::value_parser!(u64).range(1..))]
+    pub cpus_per_run: Option<u64>,
     #[arg(long)]
     pub json: bool,
 }
@@ -118,7 +156,7 @@ pub fn summarize(run_dir: &Path, name: &str) -> Result<RunSummary> {
 
 /// Trains one member unless finished; returns whether it finished (else it was stopped by a
 /// signal and can be resumed), or an error message on failure.
-fn train_member(exe: &Path, run_dir: &Path, recipe: &str, device: Option<&str>) -> Result<bool> {
+fn train_member(exe: &Path, run_dir: &Path, recipe: &str, args: &SweepArgs) -> Result<bool> {
     if run_dir.join(run::FINAL_MODEL).exists() {
         return Ok(true);
     }
@@ -143,7 +181,11 @@ fn train_member(exe: &Path, run_dir: &Path, recipe: &str, device: Option<&str>) 
             .with_context(|| format!("clearing {}", run_dir.display()))?;
     }
     std::fs::create_dir_all(run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
-    let log = std::fs::File::create(run_dir.join("train.log"))?;
+    // Appended to: a resumed run's log follows the interrupted one's.
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(run_dir.join("train.log"))?;
     let mut command = Command::new(exe);
     command
         .args(["train", "--recipe", recipe, "--no-dashboard", "--out"])
@@ -154,8 +196,11 @@ fn train_member(exe: &Path, run_dir: &Path, recipe: &str, device: Option<&str>) 
     if resume {
         command.arg("--resume");
     }
-    if let Some(device) = device {
+    if let Some(device) = &args.device {
         command.args(["--device", device]);
+    }
+    if !args.devices.is_empty() {
+        command.args(["--devices", &args.devices.join(",")]);
     }
     let mut child = command
         .spawn()
@@ -192,7 +237,7 @@ fn train_member(exe: &Path, run_dir: &Path, recipe: &str, device: Option<&str>) 
 }
 
 pub fn run(args: &SweepArgs) -> Result<Outcome> {
-    let members = members(&args.sweep)?;
+    let mut members = members(&args.sweep)?;
     for (_, recipe) in &members {
         recipe::resolve(recipe, &[])?;
     }
@@ -200,6 +245,21 @@ pub fn run(args: &SweepArgs) -> Result<Outcome> {
         .out
         .clone()
         .unwrap_or_else(|| Path::new("runs").join(args.sweep.trim_end_matches('/')));
+    if args.status {
+        return status(args, &members, &out).map(|()| Outcome::Done);
+    }
+    if args.summarize {
+        return summarize_and_fit(args, &members, &out).map(|()| Outcome::Done);
+    }
+    if args.slurm {
+        return slurm_jobs(args, &members, &out).map(|()| Outcome::Done);
+    }
+    if let Some(only) = &args.only {
+        members.retain(|(name, _)| name == only);
+        if members.is_empty() {
+            bail!("--only {only}: no such run in {}", args.sweep);
+        }
+    }
     let exe = std::env::current_exe().context("locating the diffzoo executable")?;
     let queue = Mutex::new(members.iter());
     let failures = Mutex::new(Vec::new());
@@ -217,7 +277,7 @@ pub fn run(args: &SweepArgs) -> Result<Outcome> {
                     };
                     let run_dir = out.join(name);
                     eprintln!("sweep: {name}");
-                    match train_member(&exe, &run_dir, recipe, args.device.as_deref()) {
+                    match train_member(&exe, &run_dir, recipe, args) {
                         Ok(true) => {}
                         Ok(false) => {
                             eprintln!("sweep: {name} stopped (resumable)");
@@ -229,6 +289,25 @@ pub fn run(args: &SweepArgs) -> Result<Outcome> {
             });
         }
     });
+    if args.only.is_none() {
+        write_summary(args, &members, &out)?;
+    }
+    let failures = failures.into_inner().expect("failures");
+    if !failures.is_empty() {
+        bail!("{} run(s) failed:\n{}", failures.len(), failures.join("\n"));
+    }
+    if stopped.into_inner() || signals::received().is_some() {
+        println!(
+            "sweep stopped; the same `diffzoo sweep {}` command continues it",
+            args.sweep
+        );
+        return Ok(Outcome::Stopped);
+    }
+    Ok(Outcome::Done)
+}
+
+/// Writes `summary.json` over every run directory there is and prints it.
+fn write_summary(args: &SweepArgs, members: &[(String, String)], out: &Path) -> Result<()> {
     let rows: Vec<RunSummary> = members
         .iter()
         .filter_map(|(name, _)| summarize(&out.join(name), name).ok())
@@ -236,7 +315,8 @@ pub fn run(args: &SweepArgs) -> Result<Outcome> {
     std::fs::write(
         out.join("summary.json"),
         serde_json::to_string_pretty(&rows)?,
-    )?;
+    )
+    .with_context(|| format!("writing {}", out.join("summary.json").display()))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
@@ -257,16 +337,347 @@ pub fn run(args: &SweepArgs) -> Result<Outcome> {
             );
         }
     }
-    let failures = failures.into_inner().expect("failures");
-    if !failures.is_empty() {
-        bail!("{} run(s) failed:\n{}", failures.len(), failures.join("\n"));
+    Ok(())
+}
+
+/// `--summarize`: the summary, then the scaling fit and its plot (`OUT/scaling.svg`) when the
+/// runs allow one. Fails when a run is unfinished, so that Slurm shows the sweep is not done.
+fn summarize_and_fit(args: &SweepArgs, members: &[(String, String)], out: &Path) -> Result<()> {
+    write_summary(args, members, out)?;
+    let plot = out.join("scaling.svg");
+    let fit = crate::scaling::run(&crate::scaling::FitArgs {
+        sweeps: vec![out.to_path_buf()],
+        axis: args.fit_axis.clone(),
+        plot: Some(plot.clone()),
+        json: false,
+    });
+    match fit {
+        Ok(()) => println!("scaling plot: {}", plot.display()),
+        Err(e) => println!("no scaling fit: {e:#}"),
     }
-    if stopped.into_inner() || signals::received().is_some() {
-        println!(
-            "sweep stopped; the same `diffzoo sweep {}` command continues it",
-            args.sweep
+    let unfinished: Vec<&str> = members
+        .iter()
+        .filter(|(name, _)| !out.join(name).join(run::FINAL_MODEL).exists())
+        .map(|(name, _)| name.as_str())
+        .collect();
+    if !unfinished.is_empty() {
+        bail!(
+            "{} of {} runs are not finished: {} (`diffzoo sweep {} --out {} --status`)",
+            unfinished.len(),
+            members.len(),
+            unfinished.join(", "),
+            args.sweep,
+            out.display()
         );
-        return Ok(Outcome::Stopped);
     }
-    Ok(Outcome::Done)
+    Ok(())
+}
+
+/// Where `--slurm --submit` records the jobs it submitted, for `--status`.
+const SUBMITTED: &str = "slurm/submitted.jsonl";
+
+/// One submission of a sweep: the array's job id and the run each task trains.
+#[derive(Debug, Serialize, serde::Deserialize)]
+struct Submission {
+    array: String,
+    summary: String,
+    runs: Vec<String>,
+}
+
+/// `--slurm`: a job array over the unfinished runs, then the summary and fit.
+fn slurm_jobs(args: &SweepArgs, members: &[(String, String)], out: &Path) -> Result<()> {
+    let pending: Vec<&(String, String)> = members
+        .iter()
+        .filter(|(name, _)| !out.join(name).join(run::FINAL_MODEL).exists())
+        .collect();
+    if pending.is_empty() {
+        bail!(
+            "nothing to run: the {} runs of {} in {} are finished (`diffzoo sweep {} --out {} --summarize` writes the summary and fit again)",
+            members.len(),
+            args.sweep,
+            out.display(),
+            args.sweep,
+            out.display()
+        );
+    }
+    let mut time = args.slurm_args.fixed_time()?;
+    let mut options = vec!["--nodes=1".to_string(), "--ntasks=1".into()];
+    let mut about = Vec::new();
+    let mut devices = args.devices.clone();
+    if let Some(cpus) = args.cpus_per_run {
+        options.push(format!("--cpus-per-task={cpus}"));
+    }
+    match &args.gpu {
+        None => about
+            .push("CPU runs (no --gpu given): each task trains on its node's CPUs.".to_string()),
+        Some(spec) => {
+            let gpus = args.gpus_per_run;
+            if gpus == 0 {
+                bail!("--gpus-per-run 0: a GPU run needs at least one");
+            }
+            let mut longest: Option<f64> = Some(0.0);
+            let mut unfit = Vec::new();
+            for (name, recipe) in &pending {
+                let resolved = recipe::resolve(recipe, &[])?;
+                let plan = Plan::new(&resolved.recipe, Gpu::parse(spec)?, Some(gpus), 0.4)?;
+                if !plan.runnable() {
+                    // The lines after memory and activations say why (the last one is FLOPs).
+                    let lines = plan.lines();
+                    let why = lines
+                        .get(2..lines.len().saturating_sub(1))
+                        .unwrap_or_default();
+                    unfit.push(format!(
+                        "{name} cannot run on {gpus} × {}: {}",
+                        plan.gpu.name,
+                        why.join("; ")
+                    ));
+                    continue;
+                }
+                let memory = plan.memory.weights
+                    + plan.memory.gradients
+                    + plan.memory.optimizer
+                    + plan.memory.activations;
+                about.push(format!(
+                    "{name}: {:.1} GB per GPU{}",
+                    memory / 1e9,
+                    plan.days
+                        .map(|d| format!(", {d:.2} days planned at 40% MFU"))
+                        .unwrap_or_default()
+                ));
+                longest = longest.zip(plan.days).map(|(a, b)| a.max(b));
+            }
+            if !unfit.is_empty() {
+                bail!(
+                    "{}\n(sweep a directory of the other recipes, or ask for a larger --gpu or more --gpus-per-run)",
+                    unfit.join("\n")
+                );
+            }
+            options.push(format!("--gres=gpu:{gpus}"));
+            // The task's GPUs are numbered from 0 on its node (CUDA_VISIBLE_DEVICES).
+            if devices.is_empty() && args.device.is_none() {
+                devices = (0..gpus).map(|i| format!("cuda:{i}")).collect();
+            }
+            if gpus > 1 {
+                about.push(format!(
+                    "{gpus} GPUs per run on one node, data parallel (train --devices): Burn 0.22.1 trains no model across nodes."
+                ));
+            }
+            if time.is_none() {
+                time = match longest {
+                    // The longest plan with a quarter's margin and a quarter of an hour for
+                    // start-up and checkpoints; a run that needs longer is requeued and resumes.
+                    Some(days) => Some(slurm::format_time(days * 86_400.0 * 1.25 + 900.0)),
+                    None => {
+                        about.push("The planner cannot time a GPU given by memory alone: the partition's default limit applies.".into());
+                        None
+                    }
+                };
+            }
+        }
+    }
+    if time.is_none() && args.gpu.is_none() {
+        about.push("No --time: the partition's default limit applies.".into());
+    }
+    about.push(
+        "A task that reaches its limit checkpoints, is requeued and resumes where it stopped."
+            .into(),
+    );
+    let exe = slurm::executable()?;
+    let sweep = if Path::new(&args.sweep).is_dir() {
+        std::path::absolute(&args.sweep)
+            .with_context(|| format!("resolving {}", args.sweep))?
+            .display()
+            .to_string()
+    } else {
+        args.sweep.clone()
+    };
+    let out_abs = std::path::absolute(out)
+        .with_context(|| format!("resolving {}", out.display()))?
+        .display()
+        .to_string();
+    let mut words = vec![
+        exe.clone(),
+        "sweep".into(),
+        sweep.clone(),
+        "--out".into(),
+        out_abs.clone(),
+    ];
+    if let Some(device) = &args.device {
+        words.extend(["--device".into(), device.clone()]);
+    }
+    if !devices.is_empty() {
+        words.extend(["--devices".into(), devices.join(",")]);
+    }
+    let runs: Vec<String> = pending.iter().map(|(name, _)| name.clone()).collect();
+    let mut task_about = vec![format!(
+        "One task per unfinished run of {} ({} of {}), each trained (or resumed) into {out_abs}/RUN.",
+        args.sweep,
+        pending.len(),
+        members.len()
+    )];
+    task_about.extend(about);
+    let jobs = vec![
+        Job {
+            name: "sweep".into(),
+            about: task_about,
+            options,
+            array: Some(runs.len()),
+            setup: vec![
+                format!("runs=({})", slurm::command_line(&runs)),
+                "run=${runs[$SLURM_ARRAY_TASK_ID]}".into(),
+            ],
+            command: format!("{} --only=\"$run\"", slurm::command_line(&words)),
+            resumable: true,
+            after: None,
+        },
+        Job {
+            name: "summary".into(),
+            about: vec![
+                "After every task has ended (however it ended): summary.json, the scaling fit and"
+                    .into(),
+                format!("its plot {out_abs}/scaling.svg."),
+            ],
+            options: vec!["--nodes=1".into(), "--ntasks=1".into()],
+            array: None,
+            setup: Vec::new(),
+            command: slurm::command_line(&[
+                exe,
+                "sweep".into(),
+                sweep,
+                "--out".into(),
+                out_abs,
+                "--summarize".into(),
+                "--fit-axis".into(),
+                args.fit_axis.clone(),
+            ]),
+            resumable: false,
+            after: Some(After::Any(0)),
+        },
+    ];
+    let common = args.slurm_args.common(time)?;
+    let ids = slurm::Plan {
+        dir: out.join("slurm"),
+        jobs,
+    }
+    .write_and_submit(&args.slurm_args, &common)?;
+    if let [array, summary] = ids.as_slice() {
+        let record = Submission {
+            array: array.clone(),
+            summary: summary.clone(),
+            runs,
+        };
+        let path = out.join(SUBMITTED);
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        use std::io::Write;
+        writeln!(file, "{}", serde_json::to_string(&record)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!(
+            "`diffzoo sweep {} --out {} --status` follows them",
+            args.sweep,
+            out.display()
+        );
+    }
+    Ok(())
+}
+
+/// One row of `--status`.
+#[derive(Debug, Serialize)]
+struct RunStatus {
+    run: String,
+    state: String,
+    step: Option<usize>,
+    steps: usize,
+    slurm_job: Option<String>,
+}
+
+/// `--status`: each run's state from its directory, and from Slurm for submitted tasks.
+fn status(args: &SweepArgs, members: &[(String, String)], out: &Path) -> Result<()> {
+    let path = out.join(SUBMITTED);
+    let mut task_of: std::collections::HashMap<String, String> = Default::default();
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        for (i, line) in text.lines().enumerate() {
+            // A line torn by a kill while it was written: the jobs it names are not followed.
+            let Ok(record) = serde_json::from_str::<Submission>(line) else {
+                eprintln!(
+                    "warning: {}:{}: not a submission record; skipped",
+                    path.display(),
+                    i + 1
+                );
+                continue;
+            };
+            for (task, run) in record.runs.iter().enumerate() {
+                task_of.insert(run.clone(), format!("{}_{task}", record.array));
+            }
+        }
+    }
+    let states = slurm::task_states(task_of.values().cloned().collect());
+    let mut rows = Vec::new();
+    for (name, recipe) in members {
+        let run_dir = out.join(name);
+        let steps = recipe::resolve(recipe, &[])?.recipe.total_steps();
+        let step = last_step(&run_dir);
+        let job = task_of.get(name).cloned();
+        let slurm_state = job.as_ref().and_then(|j| states.get(j)).map(String::as_str);
+        let state = if run_dir.join(run::FINAL_MODEL).exists() {
+            "finished".to_string()
+        } else {
+            match slurm_state.map(|s| s.split_whitespace().next().unwrap_or(s)) {
+                Some("RUNNING" | "COMPLETING") => "running".into(),
+                Some("PENDING" | "REQUEUED" | "REQUEUE_HOLD" | "REQUEUE_FED" | "CONFIGURING") => {
+                    "pending".into()
+                }
+                Some("CANCELLED") => "cancelled".into(),
+                Some(
+                    other @ ("FAILED" | "TIMEOUT" | "NODE_FAIL" | "OUT_OF_MEMORY" | "BOOT_FAIL"
+                    | "DEADLINE" | "PREEMPTED"),
+                ) => format!("failed ({other})"),
+                _ if checkpoint::resumable(&run_dir.join(run::CHECKPOINTS)) => {
+                    "stopped (resumable)".into()
+                }
+                _ if run_dir.exists() => "incomplete".into(),
+                _ => "not started".into(),
+            }
+        };
+        rows.push(RunStatus {
+            run: name.clone(),
+            state,
+            step,
+            steps,
+            slurm_job: job,
+        });
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    println!("{:<28} {:<22} {:>15}  slurm job", "run", "state", "step");
+    for r in &rows {
+        println!(
+            "{:<28} {:<22} {:>15}  {}",
+            r.run,
+            r.state,
+            format!(
+                "{}/{}",
+                r.step.map_or("-".into(), |s| s.to_string()),
+                r.steps
+            ),
+            r.slurm_job.as_deref().unwrap_or("-")
+        );
+    }
+    Ok(())
+}
+
+/// The last training step a run logged.
+fn last_step(run_dir: &Path) -> Option<usize> {
+    let log = std::fs::read_to_string(run_dir.join(run::METRICS)).ok()?;
+    log.lines()
+        .rev()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|r| r["split"] == "train")
+        .and_then(|r| r["step"].as_u64())
+        .map(|s| s as usize)
 }

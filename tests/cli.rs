@@ -1384,3 +1384,153 @@ fn bench_measures_every_variant_and_compares_with_a_torch_harness() {
     let err = fails(&["bench", "--dtype", "f8"]);
     assert!(err.contains("dtype `f8`"), "{err}");
 }
+
+/// Slurm scripts without a Slurm: `sweep --slurm` lists only unfinished runs with the options
+/// asked for, GPU plans refuse a recipe that cannot fit and time the rest, `data prepare
+/// --slurm` chains tokenizer, parts and merge; every bad request is named (the runs against a
+/// real Slurm are tests/slurm.rs).
+#[test]
+fn slurm_scripts_are_written_and_bad_requests_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipes = tmp.path().join("recipes");
+    std::fs::create_dir_all(&recipes).unwrap();
+    for attention in ["diff", "transformer"] {
+        std::fs::write(
+            recipes.join(format!("{attention}.toml")),
+            format!("extends = \"micro\"\n[model]\nattention = \"{attention}\"\n[training]\nsteps = 4\n[checkpoint]\ninterval = 2\n"),
+        )
+        .unwrap();
+    }
+    let out = tmp.path().join("out");
+    let sweep = |extra: &[&str]| -> Vec<String> {
+        let mut args = vec!["sweep", path(&recipes), "--out", path(&out)];
+        args.extend_from_slice(extra);
+        args.into_iter().map(String::from).collect()
+    };
+    let run = |args: Vec<String>| ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let refused = |args: Vec<String>| fails(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    run(sweep(&["--only", "diff"]));
+    assert!(out.join("diff/model.bpk").exists() && !out.join("transformer").exists());
+    let script = run(sweep(&[
+        "--slurm",
+        "--partition",
+        "gpu-a",
+        "--time",
+        "01:30:00",
+        "--max-parallel",
+        "2",
+    ]));
+    for line in [
+        "#SBATCH --array=0-0%2",
+        "#SBATCH --partition=gpu-a",
+        "#SBATCH --time=01:30:00",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=B:USR1@120",
+        "runs=(transformer)",
+        "--only=\"$run\"",
+        "--dependency=afterany:${job0}",
+        "--summarize",
+    ] {
+        assert!(script.contains(line), "{line}:\n{script}");
+    }
+    assert!(out.join("slurm/sweep.sbatch").exists() && out.join("slurm/summary.sbatch").exists());
+    let status = run(sweep(&["--status"]));
+    assert!(
+        status.contains("finished") && status.contains("not started"),
+        "{status}"
+    );
+    // Bad requests.
+    let no_sbatch = tmp.path().join("empty");
+    std::fs::create_dir_all(&no_sbatch).unwrap();
+    let out_of_path = common::command(
+        &sweep(&["--slurm", "--submit"])
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    )
+    .env("PATH", &no_sbatch)
+    .output()
+    .unwrap();
+    let message = String::from_utf8_lossy(&out_of_path.stderr);
+    assert!(
+        !out_of_path.status.success()
+            && message.contains("sbatch is not on PATH")
+            && message.contains("without --slurm"),
+        "{message}"
+    );
+    for (extra, named) in [
+        (&["--slurm", "--time", "90m"][..], "--time 90m"),
+        (&["--slurm", "--time", "2"][..], "at least 3 minutes"),
+        (&["--slurm", "--max-parallel", "0"][..], "--max-parallel 0"),
+        (
+            &["--slurm", "--partition", "a b"][..],
+            "--partition \"a b\"",
+        ),
+        (&["--partition", "a"][..], "--slurm"),
+    ] {
+        let message = refused(sweep(extra));
+        assert!(message.contains(named), "{extra:?}: {message}");
+    }
+    run(sweep(&["--only", "transformer"]));
+    assert!(refused(sweep(&["--slurm"])).contains("nothing to run"));
+    // GPU plans: the largest paper recipe does not fit one H100; the mini sweep is timed.
+    let planned = tmp.path().join("planned");
+    let message = fails(&[
+        "sweep",
+        "paper/size-scaling",
+        "--out",
+        path(&planned),
+        "--slurm",
+        "--gpu",
+        "h100",
+    ]);
+    assert!(
+        message.contains("13.1b") && message.contains("cannot run on 1 × H100"),
+        "{message}"
+    );
+    let script = ok(&[
+        "sweep",
+        "mini/size-scaling",
+        "--out",
+        path(&planned),
+        "--slurm",
+        "--gpu",
+        "h100",
+    ]);
+    assert!(
+        script.contains("#SBATCH --gres=gpu:1") && script.contains("#SBATCH --time=0-00:"),
+        "{script}"
+    );
+    // Data preparation in parts.
+    let input = tmp.path().join("in");
+    std::fs::create_dir_all(&input).unwrap();
+    std::fs::write(input.join("a.txt"), "some text").unwrap();
+    let data = |extra: &[&str]| -> Vec<String> {
+        let mut args = vec![
+            "data",
+            "prepare",
+            "--input",
+            path(&input),
+            "--out",
+            path(&planned),
+        ];
+        args.extend_from_slice(extra);
+        args.into_iter().map(String::from).collect()
+    };
+    assert!(refused(data(&["--vocab-size", "300", "--part", "1/1"])).contains("--part 1/1"));
+    assert!(refused(data(&["--vocab-size", "300", "--part", "0/1"])).contains("needs --tokenizer"));
+    assert!(
+        refused(data(&["--vocab-size", "300", "--slurm", "2"])).contains("at least 2 input files")
+    );
+    std::fs::write(input.join("b.txt"), "more text").unwrap();
+    let script = run(data(&["--vocab-size", "300", "--slurm", "2"]));
+    for line in [
+        "data tokenizer",
+        "#SBATCH --array=0-1",
+        "--part \"${SLURM_ARRAY_TASK_ID}/2\"",
+        "data merge",
+        "--dependency=afterok:${job1}",
+    ] {
+        assert!(script.contains(line), "{line}:\n{script}");
+    }
+}

@@ -9,6 +9,7 @@ pub mod corpus;
 pub mod error;
 pub mod input;
 pub mod needle;
+pub mod parts;
 pub mod rng;
 pub mod shards;
 pub mod tokenizer;

@@ -7,7 +7,7 @@
 //! interrupted run never leaves a torn output directory (rerun it to restart).
 
 use crate::error::{DataError, Result};
-use crate::input::{DocumentSource, InMemory, Skip};
+use crate::input::{DocumentSource, Skip};
 use crate::tokenizer::TextTokenizer;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use memmap2::Mmap;
@@ -24,8 +24,6 @@ pub const MANIFEST: &str = "manifest.json";
 pub const TOKENIZER: &str = "tokenizer.json";
 const FORMAT: &str = "diffzoo-shards";
 const VERSION: u32 = 1;
-/// Every 20th play of the embedded corpus is held out for validation (2 of 42).
-pub const EMBEDDED_VALIDATION_EVERY: usize = 20;
 /// Text handed to the tokenizer workers at a time.
 const BATCH_BYTES: usize = 32 << 20;
 
@@ -65,7 +63,7 @@ pub enum Split {
 impl Split {
     /// The split of each of `n` documents: every `every`-th goes to validation (none if 0).
     pub fn assign(n: usize, every: usize) -> impl Iterator<Item = Split> {
-        (0..n).map(move |i| split_of(i, every))
+        (0..n).map(move |i| SplitRule::EveryNth.split(i, "", every))
     }
 
     pub fn name(self) -> &'static str {
@@ -74,6 +72,57 @@ impl Split {
             Self::Validation => "validation",
         }
     }
+}
+
+/// Which documents go to the validation split, given `validation_every` = N.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SplitRule {
+    /// Exactly every N-th document, counted in input order (manifests without the key).
+    #[default]
+    EveryNth,
+    /// A document whose text's SHA-256, read as a big-endian number, is 0 modulo N: about one
+    /// in N, independent of the order and partition of the inputs, and duplicate documents
+    /// always land in the same split.
+    Sha256,
+}
+
+impl SplitRule {
+    fn is_every_nth(&self) -> bool {
+        *self == Self::EveryNth
+    }
+
+    /// The split of the `index`-th document (counted from 0), whose text is `text`.
+    pub fn split(self, index: usize, text: &str, every: usize) -> Split {
+        let validation = every > 0
+            && match self {
+                Self::EveryNth => index % every == every - 1,
+                Self::Sha256 => {
+                    let digest = Sha256::digest(text.as_bytes());
+                    let prefix = u64::from_be_bytes(digest[..8].try_into().expect("8 bytes"));
+                    prefix % every as u64 == 0
+                }
+            };
+        if validation {
+            Split::Validation
+        } else {
+            Split::Train
+        }
+    }
+}
+
+/// Which part of a partitioned preparation a shard directory is (`data prepare --part I/N`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PartInfo {
+    /// From 0.
+    pub index: usize,
+    pub count: usize,
+    /// SHA-256 of the whole input list (every file's path and size, in order): parts of one
+    /// preparation agree on it.
+    pub inputs: String,
+    /// Input files in this part.
+    pub files: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -106,6 +155,12 @@ pub struct Manifest {
     pub tokenizer: TokenizerInfo,
     pub dtype: TokenDtype,
     pub validation_every: usize,
+    /// Not written when it is the default, so that manifests that mean what they always did read
+    /// as before.
+    #[serde(default, skip_serializing_if = "SplitRule::is_every_nth")]
+    pub split_rule: SplitRule,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub part: Option<PartInfo>,
     pub input_bytes: u64,
     pub train: SplitInfo,
     pub validation: SplitInfo,
@@ -125,8 +180,12 @@ impl Manifest {
 #[derive(Debug, Clone)]
 pub struct PrepareOptions {
     pub out: PathBuf,
-    /// Every `validation_every`-th document goes to validation (0: none).
+    /// About one document in `validation_every` goes to validation (0: none), chosen by
+    /// `split_rule`.
     pub validation_every: usize,
+    pub split_rule: SplitRule,
+    /// Set when this is one part of a partitioned preparation: the part may then hold no tokens.
+    pub part: Option<PartInfo>,
     /// Tokens per shard file.
     pub shard_tokens: u64,
     /// `None`: u16 when the vocabulary fits, else u32.
@@ -142,6 +201,8 @@ impl PrepareOptions {
         Self {
             out: out.into(),
             validation_every: 200,
+            split_rule: SplitRule::EveryNth,
+            part: None,
             shard_tokens: 1 << 28,
             dtype: None,
             overwrite: false,
@@ -284,7 +345,9 @@ pub fn prepare(
                 });
                 continue;
             }
-            let split = split_of(index, options.validation_every);
+            let split = options
+                .split_rule
+                .split(index, &doc.text, options.validation_every);
             writers[split as usize].document(&ids, tokenizer.eot_id())?;
             tokens += ids.len() as u64 + 1;
             index += 1;
@@ -303,7 +366,7 @@ pub fn prepare(
     }
     let [train, validation] = writers.map(|w| w.info);
     skipped.extend(documents.skipped());
-    if train.tokens == 0 {
+    if train.tokens == 0 && options.part.is_none() {
         std::fs::remove_dir_all(&partial).map_err(DataError::io(&partial))?;
         return Err(DataError::Invalid(format!(
             "the input holds no usable text ({} skipped: {})",
@@ -324,6 +387,8 @@ pub fn prepare(
         },
         dtype,
         validation_every: options.validation_every,
+        split_rule: options.split_rule,
+        part: options.part.clone(),
         input_bytes: documents.bytes_read(),
         train,
         validation,
@@ -344,15 +409,6 @@ pub fn prepare(
     }
     std::fs::rename(&partial, out).map_err(DataError::io(out))?;
     Ok(manifest)
-}
-
-/// The split of document `index`: every `every`-th goes to validation (none if 0).
-fn split_of(index: usize, every: usize) -> Split {
-    if every > 0 && index % every == every - 1 {
-        Split::Validation
-    } else {
-        Split::Train
-    }
 }
 
 /// A work directory beside `out`, unique to this process and call.
@@ -418,6 +474,18 @@ impl Shards {
             .iter()
             .chain(&manifest.validation.shards)
         {
+            let inside = Path::new(&shard.file)
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_)));
+            if !inside || shard.file.is_empty() {
+                return Err(DataError::shards(
+                    &path,
+                    format!(
+                        "shard file {:?} is not a path inside the directory",
+                        shard.file
+                    ),
+                ));
+            }
             let file = dir.join(&shard.file);
             let len = std::fs::metadata(&file)
                 .map_err(DataError::io(&file))?
@@ -561,24 +629,4 @@ impl TokenStream {
         }
         out
     }
-}
-
-/// The embedded corpus prepared with `tokenizer`, cached under `cache` (prepared on first use).
-pub fn embedded_shards(tokenizer: &TextTokenizer, cache: &Path) -> Result<Shards> {
-    let dir = cache
-        .join("shards")
-        .join(format!("embedded-{}", tokenizer.hash()));
-    if !dir.join(MANIFEST).exists() {
-        let mut options = PrepareOptions::new(&dir);
-        options.validation_every = EMBEDDED_VALIDATION_EVERY;
-        let docs = InMemory::new(crate::corpus::documents());
-        // Another process may prepare the same directory at the same time: its result is ours.
-        match prepare(docs, tokenizer, &options, Vec::new()) {
-            Err(_) if dir.join(MANIFEST).exists() => {}
-            result => {
-                result?;
-            }
-        }
-    }
-    Shards::open(&dir)
 }

@@ -155,27 +155,6 @@ impl TextTokenizer {
     }
 }
 
-/// The byte-level BPE of `vocab_size` trained on the embedded corpus's training split, cached
-/// under `cache`: the first call trains (about a second), later calls load.
-pub fn embedded_tokenizer(vocab_size: usize, cache: &Path) -> Result<TextTokenizer> {
-    let path = cache
-        .join("tokenizers")
-        .join(format!("embedded-bpe-{vocab_size}.json"));
-    if path.exists() {
-        return TextTokenizer::from_file(&path);
-    }
-    let docs = crate::corpus::documents();
-    let split = crate::shards::Split::assign(docs.len(), crate::shards::EMBEDDED_VALIDATION_EVERY);
-    let texts = docs
-        .iter()
-        .zip(split)
-        .filter(|(_, split)| *split == crate::shards::Split::Train)
-        .map(|(doc, _)| doc.text.as_str());
-    let tokenizer = TextTokenizer::train_bpe(texts, vocab_size)?;
-    tokenizer.save(&path)?;
-    Ok(tokenizer)
-}
-
 /// Writes `bytes` to `path` through a temporary sibling and a rename, creating parents.
 pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     if let Some(parent) = path.parent() {

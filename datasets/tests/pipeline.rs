@@ -2,8 +2,9 @@
 //! shard boundaries and every bad input.
 
 use burn::data::dataset::Dataset;
-use diffzoo_datasets::shards::{EMBEDDED_VALIDATION_EVERY, embedded_shards, prepare};
-use diffzoo_datasets::tokenizer::embedded_tokenizer;
+use diffzoo_datasets::corpus::{EMBEDDED_VALIDATION_EVERY, embedded_shards, embedded_tokenizer};
+use diffzoo_datasets::parts;
+use diffzoo_datasets::shards::{SplitRule, prepare};
 use diffzoo_datasets::{
     DataError, Documents, PrepareOptions, SampleOrder, Shards, Split, TextTokenizer, TokenDtype,
     TokenWindows, WindowSlice, corpus, input,
@@ -452,5 +453,119 @@ fn mutated_manifests_and_tokenizers_are_errors_naming_the_directory_never_panics
     assert!(
         tried >= 600 && refused >= 500,
         "{tried} tried, {refused} refused"
+    );
+}
+
+/// Every token of a split, read through the manifest as training reads it.
+fn all_tokens(dir: &Path, split: Split) -> Vec<u32> {
+    let stream = Shards::open(dir).unwrap().tokens(split).unwrap();
+    stream.read(0, stream.len() as usize)
+}
+
+/// `data prepare --part I/N` for every I, then `data merge`.
+fn prepare_in_parts(paths: &[PathBuf], out: &Path, count: usize, options: &PrepareOptions) {
+    for index in 0..count {
+        let (files, skips) = input::resolve(paths).unwrap();
+        let (files, part) = parts::select(files, index, count).unwrap();
+        assert!(!files.is_empty());
+        let mut options = options.clone();
+        options.out = parts::part_dir(out, index);
+        options.part = Some(part);
+        prepare(Documents::new(files, "text"), tokenizer(), &options, skips).unwrap();
+    }
+    parts::merge(out).unwrap();
+}
+
+#[test]
+fn parts_merged_hold_exactly_the_tokens_of_one_preparation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut rng = diffzoo_datasets::Rng::new(7);
+    let words = [
+        "the", "king", "of", "Denmark", "is", "dead,", "long", "live", "queen",
+    ];
+    let mut paths = Vec::new();
+    for f in 0..11 {
+        let mut text = String::new();
+        for _ in 0..(1 + rng.below(30)) {
+            let n = 1 + rng.below(120) as usize;
+            let doc: Vec<&str> = (0..n).map(|_| words[rng.below(9) as usize]).collect();
+            text.push_str(&serde_json::json!({ "text": doc.join(" ") }).to_string());
+            text.push('\n');
+        }
+        let path = tmp.path().join(format!("in/{f:02}.jsonl"));
+        if f % 3 == 0 {
+            write(&path.with_extension("jsonl.gz"), &gzip(text.as_bytes()));
+        } else {
+            write(&path, text.as_bytes());
+        }
+    }
+    paths.push(tmp.path().join("in"));
+    let mut options = PrepareOptions::new(tmp.path().join("single"));
+    options.validation_every = 4;
+    options.split_rule = SplitRule::Sha256;
+    options.shard_tokens = 700;
+    let single = prepare_paths(&paths, &options).unwrap();
+    assert!(single.validation.documents > 0 && single.train.documents > 0);
+    for count in [1, 2, 3, 5, 11] {
+        let out = tmp.path().join(format!("parts-{count}"));
+        prepare_in_parts(&paths, &out, count, &options);
+        let merged = Shards::open(&out).unwrap();
+        merged.verify().unwrap();
+        assert_eq!(merged.tokenizer().unwrap().hash(), tokenizer().hash());
+        for split in [Split::Train, Split::Validation] {
+            let info = (merged.manifest.split(split), single.split(split));
+            assert_eq!(
+                (info.0.tokens, info.0.documents),
+                (info.1.tokens, info.1.documents),
+                "{count} parts, {split:?}"
+            );
+            assert!(
+                all_tokens(&out, split) == all_tokens(&options.out, split),
+                "{count} parts, {split:?}: the tokens differ"
+            );
+        }
+        assert_eq!(merged.manifest.input_bytes, single.input_bytes);
+    }
+    // A part missing, a part of another partition, a part made with another tokenizer.
+    let out = tmp.path().join("parts-3");
+    std::fs::rename(out.join("part-1"), tmp.path().join("aside")).unwrap();
+    assert!(error_of(parts::merge(&out)).contains("1 missing (part-1)"));
+    std::fs::rename(tmp.path().join("parts-2/part-1"), out.join("part-1")).unwrap();
+    let message = error_of(parts::merge(&out));
+    assert!(
+        message.contains("part-1") && message.contains("not of one preparation"),
+        "{message}"
+    );
+    std::fs::remove_dir_all(out.join("part-1")).unwrap();
+    std::fs::rename(tmp.path().join("aside"), out.join("part-1")).unwrap();
+    parts::merge(&out).unwrap();
+    let other = TextTokenizer::train_bpe(["something else entirely"].into_iter(), 300).unwrap();
+    let (files, skips) = input::resolve(&paths).unwrap();
+    let (files, part) = parts::select(files, 2, 3).unwrap();
+    let mut again = options.clone();
+    again.out = parts::part_dir(&out, 2);
+    again.part = Some(part);
+    again.overwrite = true;
+    prepare(Documents::new(files, "text"), &other, &again, skips).unwrap();
+    let message = error_of(parts::merge(&out));
+    assert!(
+        message.contains("part-2") && message.contains("tokenizer"),
+        "{message}"
+    );
+    // More parts than files, and part numbers out of range.
+    let (files, _) = input::resolve(&paths).unwrap();
+    assert!(error_of(parts::select(files.clone(), 0, 12)).contains("at least 12 input files"));
+    assert!(error_of(parts::select(files, 3, 3)).contains("numbered 0 to N-1"));
+    // Shard files outside the directory are refused.
+    let manifest = std::fs::read_to_string(tmp.path().join("parts-2/manifest.json")).unwrap();
+    std::fs::write(
+        tmp.path().join("parts-2/manifest.json"),
+        manifest.replacen("part-0/train-00000.bin", "../single/train-00000.bin", 1),
+    )
+    .unwrap();
+    let message = error_of(Shards::open(&tmp.path().join("parts-2")).map(|_| ()));
+    assert!(
+        message.contains("not a path inside the directory"),
+        "{message}"
     );
 }

@@ -1,0 +1,280 @@
+//! Preparing one corpus on many machines: the input files are cut into N contiguous parts of
+//! about equal size, each prepared on its own into `OUT/part-I` (`data prepare --part I/N`), and
+//! [`merge`] then writes one manifest over all parts' shards (`OUT/manifest.json`, shard files
+//! named `part-I/...`), copying nothing.
+//!
+//! Merged shards hold exactly the tokens of one preparation of all inputs: the parts are
+//! contiguous in input order and concatenated in part order, so documents keep their order, and
+//! a document's split is decided by its own text ([`SplitRule::Sha256`]), not by its position.
+
+use crate::error::{DataError, Result};
+use crate::input::InputFile;
+use crate::shards::{
+    MANIFEST, Manifest, PartInfo, ShardInfo, Shards, SplitInfo, SplitRule, TOKENIZER,
+};
+use crate::tokenizer::write_atomically;
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+
+/// The directory part `index` is prepared into.
+pub fn part_dir(out: &Path, index: usize) -> PathBuf {
+    out.join(format!("part-{index}"))
+}
+
+/// The files of part `index` of `count` and the [`PartInfo`] recording it. Parts are contiguous
+/// runs of `files` (in their order) cut where the running byte total crosses each k/`count` of
+/// the whole, every part keeping at least one file; `files` must be at least `count`.
+pub fn select(
+    files: Vec<InputFile>,
+    index: usize,
+    count: usize,
+) -> Result<(Vec<InputFile>, PartInfo)> {
+    if count == 0 || index >= count {
+        return Err(DataError::Invalid(format!(
+            "part {index}/{count}: parts are numbered 0 to N-1 of N (N at least 1)"
+        )));
+    }
+    if files.len() < count {
+        return Err(DataError::Invalid(format!(
+            "{count} parts need at least {count} input files; the inputs hold {}",
+            files.len()
+        )));
+    }
+    let mut sizes = Vec::with_capacity(files.len());
+    let mut list = Sha256::new();
+    for file in &files {
+        let size = std::fs::metadata(&file.path)
+            .map_err(DataError::io(&file.path))?
+            .len();
+        list.update(format!("{}\t{size}\n", file.path.display()).as_bytes());
+        sizes.push(size);
+    }
+    let starts = boundaries(&sizes, count);
+    let range = starts[index]..starts[index + 1];
+    let info = PartInfo {
+        index,
+        count,
+        inputs: format!("{:x}", list.finalize()),
+        files: range.len(),
+    };
+    let selected = files
+        .into_iter()
+        .skip(range.start)
+        .take(range.len())
+        .collect();
+    Ok((selected, info))
+}
+
+/// `count + 1` file indices: part k is `starts[k]..starts[k + 1]`. Each cut is the first file
+/// whose running total (before it) reaches k/`count` of all bytes, kept so that every part has
+/// at least one file.
+fn boundaries(sizes: &[u64], count: usize) -> Vec<usize> {
+    let n = sizes.len();
+    let total: u128 = sizes.iter().map(|&s| s as u128).sum();
+    let mut starts = vec![0];
+    let mut before = 0u128;
+    let mut file = 0;
+    for k in 1..count {
+        let target = total * k as u128 / count as u128;
+        while file < n && before < target {
+            before += sizes[file] as u128;
+            file += 1;
+        }
+        let lowest = starts[k - 1] + 1;
+        let highest = n - (count - k);
+        let cut = file.clamp(lowest, highest);
+        while file < cut {
+            before += sizes[file] as u128;
+            file += 1;
+        }
+        while file > cut {
+            file -= 1;
+            before -= sizes[file] as u128;
+        }
+        starts.push(cut);
+    }
+    starts.push(n);
+    starts
+}
+
+/// Checks that `out` holds every part of one partitioned preparation, made with one tokenizer
+/// and one set of options, and writes `out/manifest.json` (and `out/tokenizer.json`) over their
+/// shards. Returns the merged manifest and the number of parts.
+pub fn merge(out: &Path) -> Result<(Manifest, usize)> {
+    let mut parts: Vec<(usize, Shards)> = Vec::new();
+    let entries = std::fs::read_dir(out).map_err(DataError::io(out))?;
+    for entry in entries {
+        let entry = entry.map_err(DataError::io(out))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(index) = name
+            .strip_prefix("part-")
+            .and_then(|i| i.parse::<usize>().ok())
+            .filter(|i| name == format!("part-{i}"))
+        else {
+            continue;
+        };
+        let shards = Shards::open(&entry.path())?;
+        let Some(part) = &shards.manifest.part else {
+            return Err(DataError::shards(
+                &entry.path(),
+                "not a part of a partitioned preparation (its manifest has no `part`)",
+            ));
+        };
+        if part.index != index {
+            return Err(DataError::shards(
+                &entry.path(),
+                format!("its manifest says it is part {}", part.index),
+            ));
+        }
+        parts.push((index, shards));
+    }
+    parts.sort_by_key(|(index, _)| *index);
+    let Some((_, first)) = parts.first() else {
+        return Err(DataError::shards(
+            out,
+            "holds no part-I directories; prepare them with `diffzoo data prepare --part I/N`",
+        ));
+    };
+    let reference = first.manifest.clone();
+    let count = reference.part.as_ref().expect("checked above").count;
+    if let Some((index, shards)) = parts.iter().find(|(index, _)| *index >= count) {
+        return Err(DataError::shards(
+            &shards.dir,
+            format!(
+                "part {index}, but part-0 is one of {count} parts: remove what is left of another preparation"
+            ),
+        ));
+    }
+    // Every index is below `count` and appears once, so `count - parts` are missing.
+    let absent = count - parts.len();
+    if absent > 0 {
+        let missing: Vec<String> = (0..count)
+            .filter(|i| !parts.iter().any(|(index, _)| index == i))
+            .take(10)
+            .map(|i| format!("part-{i}"))
+            .collect();
+        return Err(DataError::shards(
+            out,
+            format!(
+                "a preparation in {count} parts, but {absent} missing ({}{}); prepare with `diffzoo data prepare --part I/{count}`",
+                missing.join(", "),
+                if absent > missing.len() { ", ..." } else { "" }
+            ),
+        ));
+    }
+    let tokenizer = first.tokenizer()?;
+    let mut merged = Manifest {
+        part: None,
+        input_bytes: 0,
+        train: SplitInfo::default(),
+        validation: SplitInfo::default(),
+        skipped: Vec::new(),
+        ..reference.clone()
+    };
+    for (index, shards) in &parts {
+        let manifest = &shards.manifest;
+        let part = manifest.part.as_ref().expect("checked above");
+        let differs = |what: &str, theirs: String, ours: String| {
+            DataError::shards(
+                &shards.dir,
+                format!(
+                    "{what} {theirs}, but part 0 has {ours}: the parts are not of one preparation"
+                ),
+            )
+        };
+        if manifest.tokenizer != reference.tokenizer {
+            return Err(differs(
+                "tokenizer",
+                manifest.tokenizer.hash.clone(),
+                reference.tokenizer.hash.clone(),
+            ));
+        }
+        if manifest.dtype != reference.dtype {
+            return Err(differs(
+                "dtype",
+                format!("{:?}", manifest.dtype),
+                format!("{:?}", reference.dtype),
+            ));
+        }
+        if (manifest.validation_every, manifest.split_rule)
+            != (reference.validation_every, reference.split_rule)
+        {
+            return Err(differs(
+                "validation split",
+                format!(
+                    "every {} ({:?})",
+                    manifest.validation_every, manifest.split_rule
+                ),
+                format!(
+                    "every {} ({:?})",
+                    reference.validation_every, reference.split_rule
+                ),
+            ));
+        }
+        let first_part = reference.part.as_ref().expect("checked above");
+        if (part.count, &part.inputs) != (first_part.count, &first_part.inputs) {
+            return Err(differs(
+                "input list",
+                format!("{} of {} parts", part.inputs, part.count),
+                format!("{} of {} parts", first_part.inputs, first_part.count),
+            ));
+        }
+        shards.tokenizer()?;
+        let prefix = format!("part-{index}");
+        let relocate = |split: &SplitInfo, into: &mut SplitInfo| {
+            into.tokens += split.tokens;
+            into.documents += split.documents;
+            into.shards.extend(split.shards.iter().map(|s| ShardInfo {
+                file: format!("{prefix}/{}", s.file),
+                ..s.clone()
+            }));
+        };
+        relocate(&manifest.train, &mut merged.train);
+        relocate(&manifest.validation, &mut merged.validation);
+        merged.input_bytes += manifest.input_bytes;
+        merged.skipped.extend(manifest.skipped.iter().cloned());
+    }
+    if merged.split_rule != SplitRule::Sha256 && count > 1 {
+        return Err(DataError::shards(
+            out,
+            "the parts split validation by position, which depends on the partition; prepare them with `diffzoo data prepare`",
+        ));
+    }
+    if merged.train.tokens == 0 {
+        return Err(DataError::shards(out, "the parts hold no training tokens"));
+    }
+    tokenizer.save(&out.join(TOKENIZER))?;
+    let json = serde_json::to_string_pretty(&merged).expect("manifest serializes");
+    write_atomically(&out.join(MANIFEST), json.as_bytes())?;
+    Ok((merged, count))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::boundaries;
+
+    #[test]
+    fn parts_are_contiguous_non_empty_and_balanced() {
+        assert_eq!(boundaries(&[10, 10, 10, 10], 2), vec![0, 2, 4]);
+        assert_eq!(boundaries(&[10, 10, 10, 10], 4), vec![0, 1, 2, 3, 4]);
+        // One huge file: the others still get parts of their own.
+        assert_eq!(boundaries(&[1000, 1, 1, 1], 3), vec![0, 1, 2, 4]);
+        assert_eq!(boundaries(&[1, 1, 1, 1000], 3), vec![0, 2, 3, 4]);
+        assert_eq!(boundaries(&[0, 0, 0], 3), vec![0, 1, 2, 3]);
+        for count in 1..=7 {
+            let sizes: Vec<u64> = (0..23).map(|i| (i * 37 % 11 + 1) as u64).collect();
+            let starts = boundaries(&sizes, count);
+            assert_eq!(starts.len(), count + 1);
+            assert!(starts.windows(2).all(|w| w[0] < w[1]), "{starts:?}");
+            let total: u64 = sizes.iter().sum();
+            let largest = *sizes.iter().max().unwrap();
+            for w in starts.windows(2) {
+                let part: u64 = sizes[w[0]..w[1]].iter().sum();
+                assert!(
+                    part <= total / count as u64 + 2 * largest,
+                    "{count}: {starts:?}"
+                );
+            }
+        }
+    }
+}
