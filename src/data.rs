@@ -41,7 +41,8 @@ pub struct PrepareArgs {
     /// Token storage: u16 or u32 (default: u16 when the vocabulary fits).
     #[arg(long)]
     dtype: Option<String>,
-    /// Replace an existing output directory (with --part: that part's).
+    /// Replace an existing output directory (with --part: that part's; with --slurm: the
+    /// parts').
     #[arg(long)]
     overwrite: bool,
     /// Prepare only part I of N (I from 0) of the inputs into OUT/part-I; `diffzoo data merge
@@ -95,12 +96,12 @@ pub fn prepare(args: &PrepareArgs) -> Result<()> {
         (None, Some(vocab)) => train_tokenizer(&files, vocab, args)?,
         (None, None) => bail!("give --tokenizer FILE or --vocab-size N"),
     };
-    let (files, part_info) = match part {
+    let (files, skipped, part_info) = match part {
         Some((index, count)) => {
-            let (files, info) = parts::select(files, index, count)?;
-            (files, Some(info))
+            let part = parts::select(files, skipped, index, count)?;
+            (part.files, part.skipped, Some(part.info))
         }
-        None => (files, None),
+        None => (files, skipped, None),
     };
     if part.is_some() {
         remove_stale_merge(&args.out)?;
@@ -214,30 +215,38 @@ pub fn verify(args: &VerifyArgs) -> Result<()> {
     Ok(())
 }
 
-/// Removes the manifest of an earlier merge of the parts in `out` (it goes stale once a part is
-/// prepared again); refuses a shard directory of its own. Parts prepared at the same time may
-/// each find it, or find it gone.
-fn remove_stale_merge(out: &Path) -> Result<()> {
+/// Whether `out` holds a merge of parts (every shard in a part directory): `None` when it holds
+/// no manifest.
+fn merge_of_parts(out: &Path) -> Result<Option<bool>> {
     let merged = out.join(MANIFEST);
     let text = match std::fs::read_to_string(&merged) {
         Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e).with_context(|| format!("reading {}", merged.display())),
     };
     let manifest: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-    let of_parts = ["train", "validation"].iter().all(|split| {
+    Ok(Some(["train", "validation"].iter().all(|split| {
         manifest[split]["shards"].as_array().is_some_and(|shards| {
             shards
                 .iter()
                 .all(|s| s["file"].as_str().is_some_and(|f| f.starts_with("part-")))
         })
-    });
-    if !of_parts {
-        bail!(
+    })))
+}
+
+/// Removes the manifest of an earlier merge of the parts in `out` (it goes stale once a part is
+/// prepared again); refuses a shard directory of its own. Parts prepared at the same time may
+/// each find it, or find it gone.
+fn remove_stale_merge(out: &Path) -> Result<()> {
+    match merge_of_parts(out)? {
+        None => return Ok(()),
+        Some(false) => bail!(
             "{}: a shard directory of its own; --part writes part-I directories into a directory of parts (choose another --out)",
             out.display()
-        );
+        ),
+        Some(true) => {}
     }
+    let merged = out.join(MANIFEST);
     match std::fs::remove_file(&merged) {
         Ok(()) => eprintln!(
             "removed {}: the merge is stale once a part is prepared again; run `diffzoo data merge {}`",
@@ -321,8 +330,22 @@ fn slurm_jobs(args: &PrepareArgs, count: usize) -> Result<()> {
         bail!("--slurm 0: expected the number of parts (at least 1)");
     }
     let (files, _) = input::resolve(&args.inputs)?;
-    // Checks the partition now rather than in N failed tasks.
-    parts::select(files, 0, count)?;
+    // Checks the partition and the output now rather than in N failed tasks.
+    parts::select(files, Vec::new(), 0, count)?;
+    if merge_of_parts(&args.out)? == Some(false) {
+        bail!(
+            "{}: a shard directory of its own; parts go into a directory of parts (choose another --out)",
+            args.out.display()
+        );
+    }
+    if !args.overwrite
+        && let Some(index) = (0..count).find(|&i| part_dir(&args.out, i).exists())
+    {
+        bail!(
+            "{}: already exists (pass --overwrite to prepare the parts again)",
+            part_dir(&args.out, index).display()
+        );
+    }
     let exe = slurm::executable()?;
     let absolute = |p: &Path| -> Result<String> {
         Ok(std::path::absolute(p)

@@ -221,8 +221,9 @@ impl Plan {
                     .after
                     .map(|after| format!("{} ", dependency(after, |j| format!("${{job{j}}}"))))
                     .unwrap_or_default();
+                // `--parsable` prints `id;cluster` on a federation: the id is before the `;`.
                 println!(
-                    "job{i}=$(sbatch --parsable {dependency}{})",
+                    "job{i}=$(sbatch --parsable {dependency}{}); job{i}=${{job{i}%%;*}}",
                     quote(&path.display().to_string())
                 );
             }
@@ -312,7 +313,7 @@ impl Plan {
         options.extend(job.options.iter().cloned());
         let cwd = std::env::current_dir().context("reading the working directory")?;
         options.extend([
-            format!("--chdir={}", cwd.display().to_string().replace('%', "%%")),
+            format!("--chdir={}", cwd.display()),
             format!("--output={log}"),
             // A requeued task appends to its log rather than starting it again.
             "--open-mode=append".into(),
@@ -321,9 +322,19 @@ impl Plan {
         if job.resumable {
             options.push(format!("--signal=B:USR1@{WARNING}"));
         }
+        if matches!(job.after, Some(After::Ok(_))) {
+            // Else a failed earlier job leaves this one pending for ever.
+            options.push("--kill-on-invalid-dep=yes".into());
+        }
         for option in options {
-            if option.contains(char::is_whitespace) {
-                bail!("Slurm option {option:?} holds whitespace: use paths without spaces");
+            // sbatch reads quotes, backslashes and `#` in these lines.
+            if option
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control() || "'\"\\#".contains(c))
+            {
+                bail!(
+                    "Slurm option {option:?}: paths in #SBATCH lines cannot hold whitespace, quotes, backslashes or #"
+                );
             }
             writeln!(s, "#SBATCH {option}")?;
         }
@@ -349,15 +360,17 @@ impl Plan {
 # signal arrives, so it is called again until diffzoo has exited.
 timelimit=0
 signalled=0
-trap 'signalled=1; kill -TERM "$child" 2>/dev/null' TERM INT
-trap 'signalled=1; timelimit=1; kill -TERM "$child" 2>/dev/null' USR1
+child=
+trap 'signalled=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null' TERM INT
+trap 'signalled=1; timelimit=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null' USR1
 {command} &
 child=$!
+if [ "$signalled" -eq 1 ]; then kill -TERM "$child" 2>/dev/null; fi
 while :; do
     signalled=0
     wait "$child"
     status=$?
-    [ "$signalled" -eq 1 ] || break
+    if [ "$signalled" -eq 0 ] || [ "$status" -le 128 ]; then break; fi
 done
 if [ "$status" -eq {RESUMABLE} ] && [ "$timelimit" -eq 1 ]; then
     echo "diffzoo stopped at the time limit with a checkpoint; requeueing {task}"

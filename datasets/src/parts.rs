@@ -8,7 +8,7 @@
 //! a document's split is decided by its own text ([`SplitRule::Sha256`]), not by its position.
 
 use crate::error::{DataError, Result};
-use crate::input::InputFile;
+use crate::input::{InputFile, Skip};
 use crate::shards::{
     MANIFEST, Manifest, PartInfo, ShardInfo, Shards, SplitInfo, SplitRule, TOKENIZER,
 };
@@ -21,14 +21,24 @@ pub fn part_dir(out: &Path, index: usize) -> PathBuf {
     out.join(format!("part-{index}"))
 }
 
-/// The files of part `index` of `count` and the [`PartInfo`] recording it. Parts are contiguous
-/// runs of `files` (in their order) cut where the running byte total crosses each k/`count` of
-/// the whole, every part keeping at least one file; `files` must be at least `count`.
+/// One part of the inputs.
+pub struct Part {
+    pub files: Vec<InputFile>,
+    /// What resolving the inputs skipped: part 0 records it, so that a merge lists it once.
+    pub skipped: Vec<Skip>,
+    pub info: PartInfo,
+}
+
+/// Part `index` of `count` of the inputs (`files` and what resolving them `skipped`). Parts are
+/// contiguous runs of `files` (in their order) cut where the running byte total crosses each
+/// k/`count` of the whole, every part keeping at least one file; `files` must be at least
+/// `count`.
 pub fn select(
     files: Vec<InputFile>,
+    skipped: Vec<Skip>,
     index: usize,
     count: usize,
-) -> Result<(Vec<InputFile>, PartInfo)> {
+) -> Result<Part> {
     if count == 0 || index >= count {
         return Err(DataError::Invalid(format!(
             "part {index}/{count}: parts are numbered 0 to N-1 of N (N at least 1)"
@@ -57,12 +67,15 @@ pub fn select(
         inputs: format!("{:x}", list.finalize()),
         files: range.len(),
     };
-    let selected = files
-        .into_iter()
-        .skip(range.start)
-        .take(range.len())
-        .collect();
-    Ok((selected, info))
+    Ok(Part {
+        files: files
+            .into_iter()
+            .skip(range.start)
+            .take(range.len())
+            .collect(),
+        skipped: if index == 0 { skipped } else { Vec::new() },
+        info,
+    })
 }
 
 /// `count + 1` file indices: part k is `starts[k]..starts[k + 1]`. Each cut is the first file
@@ -221,17 +234,30 @@ pub fn merge(out: &Path) -> Result<(Manifest, usize)> {
         }
         shards.tokenizer()?;
         let prefix = format!("part-{index}");
-        let relocate = |split: &SplitInfo, into: &mut SplitInfo| {
-            into.tokens += split.tokens;
-            into.documents += split.documents;
+        let overflow = || {
+            DataError::shards(
+                &shards.dir,
+                "token, document or byte counts overflow when added to the other parts'",
+            )
+        };
+        let relocate = |split: &SplitInfo, into: &mut SplitInfo| -> Result<()> {
+            into.tokens = into.tokens.checked_add(split.tokens).ok_or_else(overflow)?;
+            into.documents = into
+                .documents
+                .checked_add(split.documents)
+                .ok_or_else(overflow)?;
             into.shards.extend(split.shards.iter().map(|s| ShardInfo {
                 file: format!("{prefix}/{}", s.file),
                 ..s.clone()
             }));
+            Ok(())
         };
-        relocate(&manifest.train, &mut merged.train);
-        relocate(&manifest.validation, &mut merged.validation);
-        merged.input_bytes += manifest.input_bytes;
+        relocate(&manifest.train, &mut merged.train)?;
+        relocate(&manifest.validation, &mut merged.validation)?;
+        merged.input_bytes = merged
+            .input_bytes
+            .checked_add(manifest.input_bytes)
+            .ok_or_else(overflow)?;
         merged.skipped.extend(manifest.skipped.iter().cloned());
     }
     if merged.split_rule != SplitRule::Sha256 && count > 1 {

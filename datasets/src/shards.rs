@@ -81,8 +81,8 @@ pub enum SplitRule {
     /// Exactly every N-th document, counted in input order (manifests without the key).
     #[default]
     EveryNth,
-    /// A document whose text's SHA-256, read as a big-endian number, is 0 modulo N: about one
-    /// in N, independent of the order and partition of the inputs, and duplicate documents
+    /// A document whose text's SHA-256 (its first 8 bytes, read as a big-endian number) is 0
+    /// modulo N: about one in N, independent of the order and partition of the inputs, and duplicate documents
     /// always land in the same split.
     Sha256,
 }

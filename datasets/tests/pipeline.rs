@@ -466,12 +466,18 @@ fn all_tokens(dir: &Path, split: Split) -> Vec<u32> {
 fn prepare_in_parts(paths: &[PathBuf], out: &Path, count: usize, options: &PrepareOptions) {
     for index in 0..count {
         let (files, skips) = input::resolve(paths).unwrap();
-        let (files, part) = parts::select(files, index, count).unwrap();
-        assert!(!files.is_empty());
+        let part = parts::select(files, skips, index, count).unwrap();
+        assert!(!part.files.is_empty());
         let mut options = options.clone();
         options.out = parts::part_dir(out, index);
-        options.part = Some(part);
-        prepare(Documents::new(files, "text"), tokenizer(), &options, skips).unwrap();
+        options.part = Some(part.info);
+        prepare(
+            Documents::new(part.files, "text"),
+            tokenizer(),
+            &options,
+            part.skipped,
+        )
+        .unwrap();
     }
     parts::merge(out).unwrap();
 }
@@ -499,6 +505,8 @@ fn parts_merged_hold_exactly_the_tokens_of_one_preparation() {
             write(&path, text.as_bytes());
         }
     }
+    // Skipped by every preparation: listed once in the merge too.
+    write(&tmp.path().join("in/notes.md"), b"not an input");
     paths.push(tmp.path().join("in"));
     let mut options = PrepareOptions::new(tmp.path().join("single"));
     options.validation_every = 4;
@@ -525,6 +533,8 @@ fn parts_merged_hold_exactly_the_tokens_of_one_preparation() {
             );
         }
         assert_eq!(merged.manifest.input_bytes, single.input_bytes);
+        assert_eq!(merged.manifest.skipped, single.skipped, "{count} parts");
+        assert_eq!(single.skipped.len(), 1);
     }
     // A part missing, a part of another partition, a part made with another tokenizer.
     let out = tmp.path().join("parts-3");
@@ -541,12 +551,18 @@ fn parts_merged_hold_exactly_the_tokens_of_one_preparation() {
     parts::merge(&out).unwrap();
     let other = TextTokenizer::train_bpe(["something else entirely"].into_iter(), 300).unwrap();
     let (files, skips) = input::resolve(&paths).unwrap();
-    let (files, part) = parts::select(files, 2, 3).unwrap();
+    let part = parts::select(files, skips, 2, 3).unwrap();
     let mut again = options.clone();
     again.out = parts::part_dir(&out, 2);
-    again.part = Some(part);
+    again.part = Some(part.info);
     again.overwrite = true;
-    prepare(Documents::new(files, "text"), &other, &again, skips).unwrap();
+    prepare(
+        Documents::new(part.files, "text"),
+        &other,
+        &again,
+        part.skipped,
+    )
+    .unwrap();
     let message = error_of(parts::merge(&out));
     assert!(
         message.contains("part-2") && message.contains("tokenizer"),
@@ -554,8 +570,9 @@ fn parts_merged_hold_exactly_the_tokens_of_one_preparation() {
     );
     // More parts than files, and part numbers out of range.
     let (files, _) = input::resolve(&paths).unwrap();
-    assert!(error_of(parts::select(files.clone(), 0, 12)).contains("at least 12 input files"));
-    assert!(error_of(parts::select(files, 3, 3)).contains("numbered 0 to N-1"));
+    let select = |index, count| parts::select(files.clone(), Vec::new(), index, count).map(|_| ());
+    assert!(error_of(select(0, 12)).contains("at least 12 input files"));
+    assert!(error_of(select(3, 3)).contains("numbered 0 to N-1"));
     // Shard files outside the directory are refused.
     let manifest = std::fs::read_to_string(tmp.path().join("parts-2/manifest.json")).unwrap();
     std::fs::write(

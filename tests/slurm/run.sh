@@ -7,5 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export DIFFZOO_CACHE=${DIFFZOO_CACHE:-$PWD/target/diffzoo-cache}
 trap 'bash tests/slurm/stop.sh' EXIT
-eval "$(bash tests/slurm/start.sh)"
+conf=$(bash tests/slurm/start.sh)
+eval "$conf"
 cargo test --workspace --features wgpu,tch --test slurm -- --ignored --test-threads=1
