@@ -1,9 +1,9 @@
 //! # diffzoo-datasets
 //!
-//! The data side of diffzoo: the embedded corpus ([`corpus`]), tokenizers ([`tokenizer`]),
-//! reading text inputs ([`input`]), token shards ([`shards`]) and training windows with an
-//! exactly resumable order ([`windows`]), and the needle-in-a-haystack retrieval task
-//! ([`needle`]).
+//! The data side of diffzoo: the embedded corpus ([`corpus`]), tokenizers ([`tokenizer`], and
+//! [`tiktoken`] rank files converted), reading text inputs ([`input`]), token shards ([`shards`])
+//! and training windows with an exactly resumable order ([`windows`]), and the
+//! needle-in-a-haystack retrieval task ([`needle`]).
 
 pub mod corpus;
 pub mod error;
@@ -12,6 +12,7 @@ pub mod needle;
 pub mod parts;
 pub mod rng;
 pub mod shards;
+pub mod tiktoken;
 pub mod tokenizer;
 pub mod windows;
 

@@ -304,10 +304,13 @@ pub fn prepare(
         ));
     }
     let vocab = tokenizer.vocab_size();
-    let dtype = options.dtype.unwrap_or(TokenDtype::for_vocab(vocab));
-    if dtype == TokenDtype::U16 && vocab > 1 << 16 {
+    // Ids, not tokens, must fit: a tokenizer's ids may have gaps (tiktoken's special tokens).
+    let bound = tokenizer.id_bound();
+    let dtype = options.dtype.unwrap_or(TokenDtype::for_vocab(bound));
+    if dtype == TokenDtype::U16 && bound > 1 << 16 {
         return Err(DataError::Invalid(format!(
-            "vocabulary of {vocab} tokens does not fit u16 shards (at most 65536): use u32"
+            "a tokenizer with ids up to {} does not fit u16 shards (at most 65535): use u32",
+            bound - 1
         )));
     }
     let partial = partial_dir(out);

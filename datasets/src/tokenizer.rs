@@ -1,5 +1,5 @@
 //! Tokenizers in Hugging Face's `tokenizer.json` format: a byte-level BPE trained here
-//! (deterministically, cached) or any file the user gives. Each tokenizer is identified by a
+//! (deterministically, cached) or any file the user gives (a tiktoken rank file is converted). Each tokenizer is identified by a
 //! hash of its canonical JSON, recorded in shards and checkpoints.
 
 use crate::error::{DataError, Result};
@@ -59,9 +59,18 @@ impl TextTokenizer {
         })
     }
 
-    /// Loads a `tokenizer.json`.
+    /// Loads a `tokenizer.json`, or a tiktoken rank file (`*.tiktoken`, converted: see
+    /// [`crate::tiktoken`]).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(DataError::io(path))?;
+        let bytes = if path.extension().is_some_and(|e| e == "tiktoken") {
+            let converted = crate::tiktoken::convert(path)?;
+            if let Some(warning) = converted.warning {
+                eprintln!("warning: {warning}");
+            }
+            converted.json.into_bytes()
+        } else {
+            std::fs::read(path).map_err(DataError::io(path))?
+        };
         let inner = Tokenizer::from_bytes(&bytes).map_err(|e| DataError::Tokenizer {
             path: path.to_path_buf(),
             reason: e.to_string(),
