@@ -265,12 +265,15 @@ fn signals_stop_at_a_step_with_a_checkpoint_and_resume_exactly() {
 #[test]
 fn a_second_signal_exits_at_once_and_a_repeated_one_does_not() {
     let tmp = tempfile::tempdir().unwrap();
-    // Steps of 512 micro-batches (seconds each): the second signal comes before the step ends.
-    let sets = ["training.steps=10", "training.batch_tokens=65536"];
+    // Steps of 1,024 micro-batches (seconds each): both signals come inside step 2. The first
+    // waits a moment after step 1 is logged: sent at once, it may arrive before the end of step
+    // 1 is handled, and the run stops there without a second step to interrupt.
+    let sets = ["training.steps=10", "training.batch_tokens=131072"];
     for (gap, status) in [(1_500, 128 + libc::SIGTERM), (100, RESUMABLE)] {
         let run = tmp.path().join(format!("run-{gap}"));
         let mut child = spawn(&run, &sets, false);
         wait_for_step(&mut child, &run, 1);
+        std::thread::sleep(Duration::from_millis(300));
         signal(&child, libc::SIGTERM);
         std::thread::sleep(Duration::from_millis(gap));
         signal(&child, libc::SIGTERM);
