@@ -365,16 +365,16 @@ pub fn show(
             "recipe": resolved.recipe,
             "derived": derived,
             "plan": plan,
+            "notes": resolved.notes,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
-    println!(
-        "# {} ({})\n{}",
-        resolved.name,
-        resolved.source,
-        resolved.recipe.to_toml()
-    );
+    println!("# {} ({})", resolved.name, resolved.source);
+    for note in &resolved.notes {
+        println!("# {note}");
+    }
+    println!("{}", resolved.recipe.to_toml());
     println!("# derived");
     println!(
         "# parameters: {} total, {} non-embedding, {} in the paper's convention",

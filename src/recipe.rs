@@ -504,6 +504,44 @@ impl Recipe {
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("a recipe serializes")
     }
+
+    /// The dotted keys whose values differ from `other`'s, each with this recipe's value and
+    /// `other`'s as TOML (`None`: unset).
+    pub fn differences(&self, other: &Recipe) -> Vec<(String, Option<String>, Option<String>)> {
+        let (a, b) = (self.flat(), other.flat());
+        let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+        keys.into_iter()
+            .filter(|k| a.get(*k) != b.get(*k))
+            .map(|k| (k.clone(), a.get(k).cloned(), b.get(k).cloned()))
+            .collect()
+    }
+
+    /// Every value of the recipe under its dotted key.
+    fn flat(&self) -> std::collections::BTreeMap<String, String> {
+        fn walk(
+            prefix: &str,
+            table: &toml::Table,
+            out: &mut std::collections::BTreeMap<String, String>,
+        ) {
+            for (key, value) in table {
+                let key = if prefix.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{prefix}.{key}")
+                };
+                match value {
+                    toml::Value::Table(inner) => walk(&key, inner, out),
+                    value => {
+                        out.insert(key, value.to_string());
+                    }
+                }
+            }
+        }
+        let table: toml::Table = self.to_toml().parse().expect("a serialized recipe parses");
+        let mut out = std::collections::BTreeMap::new();
+        walk("", &table, &mut out);
+        out
+    }
 }
 
 /// Where a recipe came from.
@@ -522,9 +560,73 @@ impl std::fmt::Display for Source {
     }
 }
 
-/// Names of the built-in recipes.
+/// Names of the built-in recipes, smallest family first (tiny, micro, mini, paper), each folder
+/// by the size its name states (`830m` before `1.4b`, `d064` before `d128`), then by name.
 pub fn builtin_names() -> Vec<&'static str> {
-    BUILTIN.iter().map(|(name, _)| *name).collect()
+    let mut names: Vec<&'static str> = BUILTIN.iter().map(|(name, _)| *name).collect();
+    names.sort_by(|a, b| {
+        natural_key(a)
+            .partial_cmp(&natural_key(b))
+            .expect("finite sizes")
+    });
+    names
+}
+
+/// The order of [`builtin_names`]: family, folder (by its stated size), size, name.
+fn natural_key(name: &str) -> (usize, f64, &str, f64, &str) {
+    const FAMILIES: [&str; 4] = ["tiny", "micro", "mini", "paper"];
+    let family = name.split(['/', '-']).next().unwrap_or(name);
+    let rank = FAMILIES
+        .iter()
+        .position(|f| *f == family)
+        .unwrap_or(FAMILIES.len());
+    let (folder, stem) = name.rsplit_once('/').unwrap_or(("", name));
+    let folder_size = stated_size(folder.rsplit('/').next().unwrap_or(folder));
+    (rank, folder_size, folder, stated_size(stem), name)
+}
+
+/// The size a name starts with: `830m` → 830e6, `1.4b` → 1.4e9, `d064` → 64; 0 when none.
+fn stated_size(name: &str) -> f64 {
+    let first = name.split('-').next().unwrap_or(name);
+    let digits = first.trim_start_matches(['d', 't']);
+    let end = digits
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(digits.len());
+    let scale = match &digits[end..] {
+        "" => 1.0,
+        "k" => 1e3,
+        "m" => 1e6,
+        "b" => 1e9,
+        "t" => 1e12,
+        _ => return 0.0,
+    };
+    digits[..end].parse::<f64>().map_or(0.0, |n| n * scale)
+}
+
+/// The built-in names a mistyped `key` most likely meant: those it names the last part of
+/// (`830m-diff`), else the closest within a third of its length in edits (`tny` → `tiny`).
+fn suggestions(key: &str) -> Vec<&'static str> {
+    let names = builtin_names();
+    let tail: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|n| n.rsplit('/').next() == Some(key))
+        .collect();
+    if !tail.is_empty() {
+        return tail;
+    }
+    let limit = (key.chars().count() / 3).max(1);
+    let distance = |n: &str| {
+        let last = n.rsplit('/').next().unwrap_or(n);
+        strsim::levenshtein(key, n).min(strsim::levenshtein(key, last))
+    };
+    let Some(best) = names.iter().map(|n| distance(n)).min() else {
+        return Vec::new();
+    };
+    if best > limit {
+        return Vec::new();
+    }
+    names.into_iter().filter(|n| distance(n) == best).collect()
 }
 
 /// Finds a recipe: an existing file path, else a built-in name.
@@ -549,24 +651,32 @@ fn locate(name: &str, relative_to: Option<&Path>) -> Result<(Source, String)> {
         .find(|(n, _)| *n == key)
         .map(|(n, text)| (Source::Builtin(n), text.to_string()))
         .ok_or_else(|| {
+            let near = suggestions(key);
+            let near = if near.is_empty() {
+                String::new()
+            } else {
+                let quoted: Vec<String> = near.iter().map(|n| format!("`{n}`")).collect();
+                format!("; did you mean {}?", quoted.join(" or "))
+            };
             anyhow!(
-                "no recipe `{name}`: not a file, nor one of {}",
-                builtin_names().join(", ")
+                "no recipe `{name}`: not a file, nor a built-in recipe{near} (`diffzoo recipe list` shows all {})",
+                BUILTIN.len()
             )
         })
 }
 
-/// Loads `name` with its `extends` chain merged, as a TOML table.
-fn load_table(
+/// Loads `name` and its `extends` chain: the tables of each file, the furthest ancestor first.
+fn load_layers(
     name: &str,
     relative_to: Option<&Path>,
     depth: usize,
-) -> Result<(Source, toml::Table)> {
+) -> Result<(Source, Vec<toml::Table>)> {
     if depth > 16 {
         bail!("recipe `{name}`: `extends` chain is deeper than 16 (a cycle?)");
     }
     let (source, text) = locate(name, relative_to)?;
     let mut table: toml::Table = text.parse().map_err(|e| anyhow!("{source}: {e}"))?;
+    let mut layers = Vec::new();
     if let Some(parent) = table.remove("extends") {
         let parent = parent
             .as_str()
@@ -575,12 +685,86 @@ fn load_table(
             Source::File(path) => path.parent().map(Path::to_path_buf),
             Source::Builtin(_) => None,
         };
-        let (_, mut base) = load_table(parent, dir.as_deref(), depth + 1)
-            .with_context(|| format!("{source}: extends"))?;
-        merge(&mut base, table);
-        table = base;
+        layers = load_layers(parent, dir.as_deref(), depth + 1)
+            .with_context(|| format!("{source}: extends"))?
+            .1;
     }
-    Ok((source, table))
+    layers.push(table);
+    Ok((source, layers))
+}
+
+/// The last of `layers` that sets the dotted `key`.
+fn last_setting(layers: &[toml::Table], key: &str) -> Option<usize> {
+    layers.iter().rposition(|layer| {
+        let mut keys = key.split('.');
+        let first = keys.next().and_then(|k| layer.get(k));
+        keys.try_fold(first, |value, k| value.map(|v| v.get(k)))
+            .flatten()
+            .is_some()
+    })
+}
+
+/// What a vocabulary that follows a tokenizer is padded to: the paper's 100,288 is cl100k_base's
+/// 100,277 ids so padded.
+const VOCAB_MULTIPLE: usize = 64;
+
+/// Settings written for other data follow a shard directory named by a later layer (a child
+/// recipe or `--set`): an inherited `data.tokenizer` is dropped (the shards carry theirs) and an
+/// inherited `model.vocab_size` becomes the number of ids of the shards' tokenizer (one more
+/// than its largest), padded to a multiple of [`VOCAB_MULTIPLE`]. Returns what it changed, to
+/// be said.
+fn follow_shards(table: &mut toml::Table, layers: &[toml::Table]) -> Vec<String> {
+    let Some(corpus_layer) = last_setting(layers, "data.corpus") else {
+        return Vec::new();
+    };
+    let Some(corpus) = table
+        .get("data")
+        .and_then(|d| d.get("corpus"))
+        .and_then(toml::Value::as_str)
+        .map(str::to_string)
+    else {
+        return Vec::new();
+    };
+    if corpus == diffzoo_datasets::corpus::EMBEDDED || !Path::new(&corpus).is_dir() {
+        return Vec::new();
+    }
+    let inherited = |key| last_setting(layers, key).is_none_or(|layer| layer < corpus_layer);
+    let mut notes = Vec::new();
+    if last_setting(layers, "data.tokenizer").is_some() && inherited("data.tokenizer") {
+        let data = table
+            .get_mut("data")
+            .and_then(toml::Value::as_table_mut)
+            .expect("data.corpus is set");
+        if let Some(tokenizer) = data.remove("tokenizer") {
+            notes.push(format!(
+                "`data.tokenizer` = {tokenizer} (inherited) dropped: the shard directory {corpus:?} brings its own tokenizer"
+            ));
+        }
+    }
+    if !inherited("model.vocab_size") {
+        return notes;
+    }
+    let Ok(ids) = diffzoo_datasets::shards::Shards::open(Path::new(&corpus))
+        .and_then(|shards| shards.tokenizer())
+        .map(|tokenizer| tokenizer.id_bound())
+    else {
+        // Opening the data reports what is wrong with it.
+        return notes;
+    };
+    let size = ids.next_multiple_of(VOCAB_MULTIPLE);
+    let model = table
+        .entry("model")
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    if let Some(model) = model.as_table_mut() {
+        let was = model.insert("vocab_size".into(), (size as i64).into());
+        if was.as_ref().and_then(toml::Value::as_integer) != Some(size as i64) {
+            notes.push(format!(
+                "`model.vocab_size` = {size}: the {ids} ids of the tokenizer of {corpus:?}, padded to a multiple of {VOCAB_MULTIPLE}{}",
+                was.map(|w| format!(" (not the inherited {w})")).unwrap_or_default()
+            ));
+        }
+    }
+    notes
 }
 
 /// Merges `over` into `base`, table by table.
@@ -633,13 +817,23 @@ pub struct Resolved {
     pub name: String,
     pub source: Source,
     pub recipe: Recipe,
+    /// What resolving changed and the user should be told (see `follow_shards`).
+    pub notes: Vec<String>,
 }
 
 pub fn resolve(name: &str, overrides: &[String]) -> Result<Resolved> {
-    let (source, mut table) = load_table(name, None, 0)?;
+    let (source, mut layers) = load_layers(name, None, 0)?;
+    let mut table = toml::Table::new();
+    for layer in &layers {
+        merge(&mut table, layer.clone());
+    }
+    let mut set = toml::Table::new();
     for assignment in overrides {
         apply_override(&mut table, assignment)?;
+        apply_override(&mut set, assignment)?;
     }
+    layers.push(set);
+    let notes = follow_shards(&mut table, &layers);
     let origin = if overrides.is_empty() {
         source.to_string()
     } else {
@@ -666,6 +860,7 @@ pub fn resolve(name: &str, overrides: &[String]) -> Result<Resolved> {
         name,
         source,
         recipe,
+        notes,
     })
 }
 
@@ -746,6 +941,10 @@ pub fn list(json: bool) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
     }
+    println!(
+        "{:<36} {:<12} {:>11}  DESCRIPTION",
+        "NAME", "ATTENTION", "PARAMETERS"
+    );
     for row in rows {
         match (&row.attention, row.params, &row.error) {
             (Some(a), Some(p), _) => {
@@ -767,6 +966,69 @@ pub fn list(json: bool) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn differences_name_each_changed_key_with_both_values() {
+        let tiny = resolve("tiny", &[]).unwrap().recipe;
+        assert!(tiny.differences(&tiny).is_empty());
+        let changed = resolve("tiny", &["optimizer.lr=0.01".into()])
+            .unwrap()
+            .recipe;
+        let differences = tiny.differences(&changed);
+        assert_eq!(differences.len(), 1, "{differences:?}");
+        let (key, was, now) = &differences[0];
+        assert_eq!(key, "optimizer.lr");
+        let was: f64 = was.as_deref().unwrap().parse().unwrap();
+        assert_eq!(was, tiny.optimizer.lr);
+        assert_eq!(now.as_deref(), Some("0.01"));
+        let baseline = resolve("tiny-transformer", &[]).unwrap().recipe;
+        let keys: Vec<String> = tiny
+            .differences(&baseline)
+            .into_iter()
+            .map(|(k, _, _)| k)
+            .collect();
+        assert!(keys.contains(&"model.attention".to_string()), "{keys:?}");
+    }
+
+    #[test]
+    fn built_in_names_come_smallest_first_and_a_typo_gets_the_nearest() {
+        let names = builtin_names();
+        assert_eq!(names.len(), BUILTIN.len());
+        assert_eq!(names[0], "tiny");
+        let at = |n: &str| names.iter().position(|m| *m == n).expect(n);
+        let order = [
+            "tiny-transformer",
+            "micro",
+            "micro-transformer",
+            "mini/size-scaling/d064-diff",
+            "mini/size-scaling/d096-diff",
+            "mini/size-scaling/d256-transformer",
+            "mini/token-scaling/t040-diff",
+            "mini/token-scaling/t320-transformer",
+            "paper/size-scaling/830m-diff",
+            "paper/size-scaling/1.4b-diff",
+            "paper/size-scaling/6.8b-transformer",
+            "paper/size-scaling/13.1b-diff",
+            "paper/3b/diff-1t",
+        ];
+        for pair in order.windows(2) {
+            assert!(at(pair[0]) < at(pair[1]), "{pair:?} in {names:?}");
+        }
+        let message = |name: &str| format!("{:#}", resolve(name, &[]).unwrap_err());
+        for (typed, meant) in [
+            ("tny", "did you mean `tiny`?"),
+            ("micro-transformr", "did you mean `micro-transformer`?"),
+            ("830m-diff", "did you mean `paper/size-scaling/830m-diff`?"),
+        ] {
+            let got = message(typed);
+            assert!(got.contains(meant), "{typed}: {got}");
+        }
+        let far = message("qqqqqqqq");
+        assert!(
+            !far.contains("did you mean") && far.contains(&format!("shows all {}", BUILTIN.len())),
+            "{far}"
+        );
+    }
 
     #[test]
     fn paper_sizes_match_their_labels_within_one_percent() {

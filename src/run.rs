@@ -185,6 +185,8 @@ pub fn load_weights(
 
 /// Writes the final model as `model.safetensors`, then `model.bpk` (whose presence marks a
 /// finished run), each to a temporary name renamed into place: a crash leaves no torn file.
+/// Both get the mode any new file gets (0644 under the usual umask 022): Burn's store creates
+/// its file for its owner only.
 pub fn save_final(run: &Path, model: &Model) -> Result<()> {
     use burn::store::{ModuleSnapshot, SafetensorsStore};
     let safetensors = run.join(FINAL_SAFETENSORS);
@@ -193,16 +195,34 @@ pub fn save_final(run: &Path, model: &Model) -> Result<()> {
     model
         .save_into(&mut store)
         .map_err(|e| anyhow!("{}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, &safetensors)
-        .with_context(|| format!("writing {}", safetensors.display()))?;
+    publish(&tmp, &safetensors)?;
     let bpk = run.join(FINAL_MODEL);
     let tmp = run.join("model.bpk.tmp");
     model
         .clone()
         .save_file(&tmp)
         .with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, &bpk).with_context(|| format!("writing {}", bpk.display()))?;
-    Ok(())
+    publish(&tmp, &bpk)
+}
+
+/// Gives the written `tmp` the mode of a new file and renames it to `path`.
+fn publish(tmp: &Path, path: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(tmp, std::fs::Permissions::from_mode(new_file_mode()))
+        .and_then(|()| std::fs::rename(tmp, path))
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// 0666 less the process's umask (from /proc; 022 where it cannot be read).
+fn new_file_mode() -> u32 {
+    let umask = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let mask = status.lines().find_map(|l| l.strip_prefix("Umask:"))?;
+            u32::from_str_radix(mask.trim(), 8).ok()
+        })
+        .unwrap_or(0o022);
+    0o666 & !umask
 }
 
 #[cfg(test)]
@@ -224,6 +244,17 @@ mod tests {
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         assert_eq!(names.len(), 2, "{names:?}");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+        let plain = tempfile::tempdir().unwrap();
+        std::fs::File::create(plain.path().join("new")).unwrap();
+        for name in &names {
+            assert_eq!(
+                mode(&dir.path().join(name)),
+                mode(&plain.path().join("new")),
+                "{name}"
+            );
+        }
         // Loaded into models initialised differently: equal logits mean every weight was read.
         device.seed(2);
         let (from_bpk, _) = load_weights(dir.path(), &config, &device).unwrap();

@@ -138,6 +138,20 @@ fn generation_limits_stops_and_batches(run: &Path) {
     );
 }
 
+/// A finished `micro` run as if killed before its second checkpoint was written whole: the final
+/// model and that checkpoint gone (its log is left as it is).
+fn lose_the_final_model_and_second_checkpoint(run: &Path) {
+    for file in [
+        "model.bpk",
+        "model.safetensors",
+        "checkpoint/model-2.bpk",
+        "checkpoint/optim-2.bpk",
+        "checkpoint/scheduler-2.bpk",
+    ] {
+        std::fs::remove_file(run.join(file)).unwrap();
+    }
+}
+
 #[test]
 fn train_checkpoint_resume_generate_and_evaluate() {
     let tmp = tempfile::tempdir().unwrap();
@@ -145,6 +159,14 @@ fn train_checkpoint_resume_generate_and_evaluate() {
     let stdout = ok(&["train", "--recipe", "micro", "--out", path(&whole)]);
     assert!(stdout.contains("step     20/20"), "{stdout}");
     assert!(stdout.contains("validation loss"), "{stdout}");
+    assert!(
+        stdout.starts_with("the dashboard is off: standard output is not a terminal"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("elapsed, ETA …") && stdout.contains("elapsed, ETA 0:00"),
+        "{stdout}"
+    );
     for file in [
         "recipe.toml",
         "tokenizer.json",
@@ -189,15 +211,7 @@ fn train_checkpoint_resume_generate_and_evaluate() {
     // its second checkpoint and the log past step 12 (as if killed at step 12).
     let killed = tmp.path().join("killed");
     ok(&["train", "--recipe", "micro", "--out", path(&killed)]);
-    for file in [
-        "model.bpk",
-        "model.safetensors",
-        "checkpoint/model-2.bpk",
-        "checkpoint/optim-2.bpk",
-        "checkpoint/scheduler-2.bpk",
-    ] {
-        std::fs::remove_file(killed.join(file)).unwrap();
-    }
+    lose_the_final_model_and_second_checkpoint(&killed);
     let log = std::fs::read_to_string(killed.join("metrics.jsonl")).unwrap();
     let kept: Vec<&str> = log
         .lines()
@@ -260,7 +274,12 @@ fn train_checkpoint_resume_generate_and_evaluate() {
         "--set",
         "optimizer.lr=0.01",
     ]);
-    assert!(other.contains("another recipe"), "{other}");
+    assert!(
+        other.contains("another recipe")
+            && other.contains("optimizer.lr = ")
+            && other.contains("in the run, 0.01 now"),
+        "{other}"
+    );
     assert!(
         fails(&["train", "--recipe", "micro", "--out", path(&whole)])
             .contains("already holds a run")
@@ -331,6 +350,97 @@ fn train_checkpoint_resume_generate_and_evaluate() {
     let loss = ppl["loss"].as_f64().unwrap();
     assert!(loss.is_finite() && loss < (512f64).ln(), "{loss}");
     assert!((ppl["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-6 * loss.exp());
+    let line = ok(&["eval", "ppl", "--run", path(&whole)]);
+    assert!(
+        line.contains("the whole validation split; training's log scores at most its first"),
+        "{line}"
+    );
+}
+
+/// TensorBoard's own reader (`event_accumulator`, in the venv `.ci/run` makes) finds every
+/// metric of a run that was resumed after its log had gone past the checkpoint: each step once,
+/// equal to `metrics.jsonl`.
+#[test]
+#[ignore = "needs DIFFZOO_PYTHON with tensorboard; .ci/run runs it"]
+fn tensorboard_reads_what_the_metrics_log_holds() {
+    let python =
+        std::env::var("DIFFZOO_PYTHON").expect("DIFFZOO_PYTHON: a Python with tensorboard");
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    ok(&["train", "--recipe", "micro", "--out", path(&run)]);
+    // Killed at the last step before the final save: resumed from step 10, with steps 11–20
+    // already in the first event file.
+    lose_the_final_model_and_second_checkpoint(&run);
+    ok(&[
+        "train",
+        "--recipe",
+        "micro",
+        "--out",
+        path(&run),
+        "--resume",
+    ]);
+    let script = "import json, sys\n\
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n\
+events = EventAccumulator(sys.argv[1], size_guidance={'scalars': 0})\n\
+events.Reload()\n\
+print(json.dumps({t: [[e.step, e.value] for e in events.Scalars(t)] for t in events.Tags()['scalars']}))\n";
+    let out = std::process::Command::new(&python)
+        .args(["-c", script, path(&run.join("tensorboard"))])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let series: std::collections::HashMap<String, Vec<(u64, f64)>> =
+        serde_json::from_slice(&out.stdout).unwrap();
+    let mut compared = 0;
+    for split in ["train", "validation"] {
+        let log = records(&run, split);
+        let layers = log[0]["lambda"].as_array().map_or(0, Vec::len);
+        let keys = [
+            "loss",
+            "perplexity",
+            "lr",
+            "grad_norm",
+            "tokens_per_sec",
+            "tokens_seen",
+        ]
+        .map(String::from)
+        .into_iter()
+        .chain((0..layers).map(|l| format!("lambda/layer_{l}")));
+        for key in keys {
+            let value = |r: &Value| match key.strip_prefix("lambda/layer_") {
+                Some(l) => r["lambda"][l.parse::<usize>().unwrap()].as_f64(),
+                None => r[key.as_str()].as_f64(),
+            };
+            let want: Vec<(u64, f64)> = log
+                .iter()
+                .filter_map(|r| Some((r["step"].as_u64()?, value(r)?)))
+                .collect();
+            let tag = format!("{split}/{key}");
+            let Some(got) = series.get(&tag) else {
+                assert!(want.is_empty(), "{tag} missing");
+                continue;
+            };
+            assert_eq!(got.len(), want.len(), "{tag}: {got:?}");
+            for ((step, v), (want_step, w)) in got.iter().zip(&want) {
+                assert_eq!(step, want_step, "{tag}");
+                // The f32 TensorBoard stores, to within serde_json's parsing (not exact to the
+                // last bit of an f64).
+                let stored = *w as f32 as f64;
+                assert!(
+                    (v - stored).abs() <= 1e-12 * stored.abs(),
+                    "{tag} at step {step}: {v} vs {stored}"
+                );
+            }
+            compared += 1;
+        }
+    }
+    assert_eq!(series.len(), compared, "{:?}", series.keys());
+    assert_eq!(series["train/loss"].len(), 20);
+    assert_eq!(series["validation/loss"].len(), 2);
 }
 
 #[test]
@@ -432,23 +542,85 @@ fn prepared_shards_train_a_model() {
     assert_eq!(manifest["skipped"][0]["line"], 21);
     assert!(shards.join("manifest.json").exists());
 
-    let recipe = tmp.path().join("on-shards.toml");
-    let text = format!(
-        "extends = \"micro\"\n[model]\nvocab_size = 300\n[data]\ncorpus = {:?}\nseq_len = 32\n[training]\nsteps = 4\nbatch_tokens = 256\nmicro_batch = 4\n[checkpoint]\ninterval = 2\neval_batches = 1\n",
-        path(&shards)
+    let vocab = manifest["tokenizer"]["vocab_size"].as_u64().unwrap();
+    let padded = vocab.next_multiple_of(64);
+
+    // One line: a built-in recipe on the shards. Its tokenizer ("bpe", for the embedded corpus)
+    // gives way to the shards', and its vocabulary follows theirs (padded to a multiple of 64);
+    // both are said.
+    let short = [
+        "--set",
+        "training.steps=4",
+        "--set",
+        "checkpoint.interval=2",
+        "--set",
+        "checkpoint.eval_batches=1",
+    ];
+    let corpus = format!("data.corpus={}", path(&shards));
+    let mut show = vec![
+        "recipe",
+        "show",
+        "micro",
+        "--set",
+        corpus.as_str(),
+        "--json",
+    ];
+    show.extend(short);
+    let shown: Value = serde_json::from_str(&ok(&show)).unwrap();
+    assert_eq!(
+        shown["recipe"]["model"]["vocab_size"].as_u64(),
+        Some(padded)
     );
-    std::fs::write(&recipe, text).unwrap();
-    // `micro` names a tokenizer; shard recipes must not: the error says so.
+    assert!(shown["recipe"]["data"]["tokenizer"].is_null(), "{shown}");
+    assert_eq!(shown["notes"].as_array().unwrap().len(), 2, "{shown}");
+    let run = tmp.path().join("run");
+    let mut train = vec![
+        "train",
+        "--recipe",
+        "micro",
+        "--set",
+        corpus.as_str(),
+        "--out",
+        path(&run),
+    ];
+    train.extend(short);
+    let stdout = ok(&train);
+    assert!(
+        stdout.contains("`data.tokenizer` = \"bpe\" (inherited) dropped")
+            && stdout.contains(&format!("`model.vocab_size` = {padded}: the {vocab} ids"))
+            && stdout.contains("not the inherited 512"),
+        "{stdout}"
+    );
+    assert_eq!(records(&run, "train").len(), 4);
+
+    // A recipe naming the shards decides for itself: its own tokenizer there is refused, and a
+    // vocabulary too small for the shards' tokenizer is refused with the `--set` that fixes it.
+    let recipe = tmp.path().join("on-shards.toml");
+    let own = |extra: &str| {
+        format!(
+            "extends = \"micro\"\n[model]\nvocab_size = {}\n[data]\ncorpus = {:?}\n{extra}[training]\nsteps = 4\n[checkpoint]\ninterval = 2\neval_batches = 1\n",
+            if extra.is_empty() { vocab - 1 } else { vocab },
+            path(&shards)
+        )
+    };
+    std::fs::write(&recipe, own("tokenizer = \"bpe\"\n")).unwrap();
     let err = fails(&["recipe", "show", path(&recipe)]);
     assert!(
         err.contains("`data.tokenizer` = \"bpe\" must be unset for a shard directory"),
         "{err}"
     );
-    let standalone = micro_on_shards(&shards).replace("steps = 20", "steps = 4");
-    std::fs::write(&recipe, standalone).unwrap();
-    let run = tmp.path().join("run");
-    ok(&["train", "--recipe", path(&recipe), "--out", path(&run)]);
-    assert_eq!(records(&run, "train").len(), 4);
+    std::fs::write(&recipe, own("")).unwrap();
+    let err = fails(&[
+        "train",
+        "--recipe",
+        path(&recipe),
+        "--out",
+        path(&tmp.path().join("small")),
+    ]);
+    assert!(
+        err.contains(&format!("`--set model.vocab_size={vocab}` fixes it")),
+        "{err}"
+    );
 }
 
 /// The `micro` recipe on shards of a 300-token vocabulary (which name their own tokenizer).

@@ -67,9 +67,17 @@ pub fn run(args: &PplArgs) -> Result<()> {
     }
     let loaded = Loaded::open(&args.common.run, &args.common.device)?;
     let result = measure(&loaded, args.data.as_ref(), args.max_batches)?;
+    let scope = match (args.max_batches, &args.data) {
+        (Some(n), _) => format!("at most {n} batches of the validation split"),
+        (None, Some(_)) => "the whole validation split".to_string(),
+        (None, None) => format!(
+            "the whole validation split; training's log scores at most its first {} batches",
+            loaded.recipe.checkpoint.eval_batches
+        ),
+    };
     emit(args.common.json, &result, |r| {
         println!(
-            "{}: validation loss {:.4}, perplexity {:.2} over {} tokens ({} windows) of {}",
+            "{}: validation loss {:.4}, perplexity {:.2} over {} tokens ({} windows: {scope}) of {}",
             r.weights, r.loss, r.perplexity, r.tokens, r.windows, r.data
         )
     })

@@ -1,6 +1,7 @@
 //! What a step reports, the dashboard metrics built from it, and the run's metrics log
 //! (`metrics.jsonl`, one JSON object per training step and per validation).
 
+use super::tensorboard::EventFile;
 use burn::tensor::ExecutionError;
 use burn::tensor::TensorReadError;
 use burn::train::ItemLazy;
@@ -168,9 +169,11 @@ pub struct LogRecord<'a> {
     pub elapsed_sec: f64,
 }
 
-/// The metrics log, appended to (a resumed run continues it) and flushed every record.
+/// The metrics log, appended to (a resumed run continues it) and flushed every record; with
+/// [`MetricsLog::with_tensorboard`], also written as TensorBoard events.
 pub struct MetricsLog {
     file: BufWriter<File>,
+    events: Option<EventFile>,
 }
 
 impl MetricsLog {
@@ -181,12 +184,25 @@ impl MetricsLog {
             .open(path)?;
         Ok(Self {
             file: BufWriter::new(file),
+            events: None,
         })
+    }
+
+    /// Writes every record to a new event file in `dir` too, after the records of the log at
+    /// `log` so far (see [`super::tensorboard`]).
+    pub fn with_tensorboard(mut self, dir: &Path, log: &Path) -> std::io::Result<Self> {
+        self.events = Some(EventFile::replacing(dir, log)?);
+        Ok(self)
     }
 
     pub fn write(&mut self, record: &LogRecord) -> std::io::Result<()> {
         serde_json::to_writer(&mut self.file, record)?;
         self.file.write_all(b"\n")?;
-        self.file.flush()
+        self.file.flush()?;
+        if let Some(events) = &mut self.events {
+            events.write(&serde_json::to_value(record)?)?;
+            events.flush()?;
+        }
+        Ok(())
     }
 }

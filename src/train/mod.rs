@@ -24,6 +24,7 @@ mod quiet;
 pub mod schedule;
 pub mod signals;
 pub mod step;
+pub mod tensorboard;
 
 use crate::Outcome;
 use crate::device;
@@ -113,11 +114,26 @@ pub fn configure_dtype(device: &mut Device, name: &str, spec: &str, setting: &st
         .map_err(|e| anyhow!("configuring {spec} for {name}: {e:?}"))
 }
 
-/// The recipe as stored in the run, with the device (which may change on resume) neutralised.
-fn identity(recipe: &Recipe) -> String {
-    let mut recipe = recipe.clone();
-    recipe.training.device = String::new();
-    recipe.to_toml()
+/// What keeps `given` from resuming a run trained with `stored`: each key that differs, with
+/// both values (the device may change on resume).
+fn resume_conflicts(stored: &Recipe, given: &Recipe) -> Vec<String> {
+    let unplaced = |recipe: &Recipe| {
+        let mut recipe = recipe.clone();
+        recipe.training.device = String::new();
+        recipe
+    };
+    let unset = || "unset".to_string();
+    unplaced(stored)
+        .differences(&unplaced(given))
+        .into_iter()
+        .map(|(key, was, now)| {
+            format!(
+                "{key} = {} in the run, {} now",
+                was.unwrap_or_else(unset),
+                now.unwrap_or_else(unset)
+            )
+        })
+        .collect()
 }
 
 /// Prepares the run directory; returns the checkpoint to resume from (number 0: a fresh run).
@@ -143,10 +159,12 @@ fn prepare_run_dir(
         return Ok(fresh);
     }
     let stored = run::run_recipe(dir)?;
-    if identity(&stored) != identity(recipe) {
+    let conflicts = resume_conflicts(&stored, recipe);
+    if !conflicts.is_empty() {
         bail!(
-            "{} was trained with another recipe; refusing to resume with this one (compare it with `diffzoo recipe show`)",
-            recipe_path.display()
+            "{} was trained with another recipe; refusing to resume with this one:\n  {}",
+            recipe_path.display(),
+            conflicts.join("\n  ")
         );
     }
     let stored_tokenizer = run::run_tokenizer(dir)?;
@@ -234,6 +252,16 @@ pub fn optimizer(o: &OptimizerSection) -> Result<burn::optim::ModuleOptimizer> {
 pub fn run(args: &TrainArgs) -> Result<Outcome> {
     let resolved = recipe::resolve(&args.recipe, &args.overrides)?;
     let recipe = &resolved.recipe;
+    let dashboard = !args.no_dashboard && std::io::stdout().is_terminal();
+    if !args.no_dashboard && !dashboard {
+        println!(
+            "the dashboard is off: standard output is not a terminal; a line every {} steps (training.log_every)",
+            recipe.training.log_every
+        );
+    }
+    for note in &resolved.notes {
+        println!("{}: {note}", resolved.source);
+    }
     let specs = match (&args.device, args.devices.is_empty()) {
         (_, false) => args.devices.iter().map(|d| d.trim().to_string()).collect(),
         (Some(spec), true) => vec![spec.clone()],
@@ -263,12 +291,13 @@ pub fn run(args: &TrainArgs) -> Result<Outcome> {
             shards.dir.display()
         );
     }
-    if tokenizer.vocab_size() > recipe.model.vocab_size {
+    if tokenizer.id_bound() > recipe.model.vocab_size {
         bail!(
-            "{}: the tokenizer has {} tokens but `model.vocab_size` = {}",
+            "{}: the tokenizer's ids run to {} but `model.vocab_size` = {} (`--set model.vocab_size={}` fixes it)",
             resolved.source,
-            tokenizer.vocab_size(),
-            recipe.model.vocab_size
+            tokenizer.id_bound() - 1,
+            recipe.model.vocab_size,
+            tokenizer.id_bound()
         );
     }
     let seq = recipe.data.seq_len;
@@ -332,7 +361,6 @@ pub fn run(args: &TrainArgs) -> Result<Outcome> {
         interval: recipe.checkpoint.interval,
         total,
     };
-    let dashboard = !args.no_dashboard && std::io::stdout().is_terminal();
     let interrupter = Interrupter::new();
     let schedule = Schedule::from_recipe(recipe);
     let context = Arc::new(
@@ -345,7 +373,9 @@ pub fn run(args: &TrainArgs) -> Result<Outcome> {
             (!dashboard).then_some(recipe.training.log_every),
             valid_batches,
             MetricsLog::open(&dir.join(run::METRICS))
-                .with_context(|| format!("opening {}", dir.join(run::METRICS).display()))?,
+                .with_context(|| format!("opening {}", dir.join(run::METRICS).display()))?
+                .with_tensorboard(&dir.join(tensorboard::DIR), &dir.join(run::METRICS))
+                .with_context(|| format!("writing {}", dir.join(tensorboard::DIR).display()))?,
         )
         .data_parallel(ranks),
     );

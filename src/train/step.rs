@@ -70,6 +70,8 @@ struct ContextState {
     log: MetricsLog,
     started: Instant,
     last_step_end: Option<Instant>,
+    /// When the first step of this process ended, and its number of steps done then.
+    first_step_end: Option<(Instant, usize)>,
     valid: (f64, usize, usize),
     /// The ranks' summed losses and tokens of the step being gathered.
     gathering: (f64, usize),
@@ -114,6 +116,7 @@ impl StepContext {
                 log,
                 started: Instant::now(),
                 last_step_end: None,
+                first_step_end: None,
                 valid: (0.0, 0, 0),
                 gathering: (0.0, 0),
                 gathered: None,
@@ -196,6 +199,7 @@ impl StepContext {
         let now = Instant::now();
         let since = state.last_step_end.unwrap_or(started);
         state.last_step_end = Some(now);
+        let (first_end, first_done) = *state.first_step_end.get_or_insert((now, step + 1));
         self.control.step_done(step + 1);
         let stats = StepStats {
             tokens_per_sec: Some(stats.tokens as f64 / (now - since).as_secs_f64().max(1e-9)),
@@ -231,8 +235,14 @@ impl StepContext {
                         .join(" ")
                 ),
             };
+            let remaining = eta(
+                step + 1 - first_done,
+                self.total_steps.saturating_sub(step + 1),
+                (now - first_end).as_secs_f64(),
+            )
+            .map_or_else(|| "ETA …".to_string(), |s| format!("ETA {}", clock(s)));
             println!(
-                "step {:>6}/{} | loss {:.4} | ppl {:>8.2} | lr {:.3e} | grad norm {:.3} | {:.0} tok/s{lambdas}",
+                "step {:>6}/{} | loss {:.4} | ppl {:>8.2} | lr {:.3e} | grad norm {:.3} | {:.0} tok/s | {} elapsed, {remaining}{lambdas}",
                 step + 1,
                 self.total_steps,
                 stats.loss,
@@ -240,6 +250,7 @@ impl StepContext {
                 self.schedule.lr(step),
                 stats.grad_norm.unwrap_or(f64::NAN),
                 stats.tokens_per_sec.unwrap_or(0.0),
+                clock(state.started.elapsed().as_secs_f64()),
             );
         }
         if !(stats.loss.is_finite() && stats.grad_norm.is_none_or(f64::is_finite)) {
@@ -305,9 +316,10 @@ impl StepContext {
         }
         if self.print_every.is_some() {
             println!(
-                "step {step:>6}/{} | validation loss {loss:.4} | ppl {:.2}",
+                "step {step:>6}/{} | validation loss {loss:.4} | ppl {:.2} (its first {} batches; `diffzoo eval ppl` scores the whole split)",
                 self.total_steps,
-                loss.exp()
+                loss.exp(),
+                self.valid_batches
             );
         }
     }
@@ -385,10 +397,37 @@ impl InferenceStep for Trainee {
     }
 }
 
+/// Seconds until `left` more steps are done, at the pace of the `done` steps that took
+/// `seconds` (none before that pace is known).
+fn eta(done: usize, left: usize, seconds: f64) -> Option<f64> {
+    (done > 0).then(|| seconds / done as f64 * left as f64)
+}
+
+/// `seconds` as `m:ss`, or `h:mm:ss` from an hour on.
+fn clock(seconds: f64) -> String {
+    let whole = seconds.max(0.0).round() as u64;
+    let (h, m, s) = (whole / 3600, whole / 60 % 60, whole % 60);
+    if h > 0 {
+        format!("{h}:{m:02}:{s:02}")
+    } else {
+        format!("{m}:{s:02}")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::recipe;
+
+    #[test]
+    fn progress_lines_tell_elapsed_time_and_the_time_left() {
+        assert_eq!(clock(0.4), "0:00");
+        assert_eq!(clock(83.0), "1:23");
+        assert_eq!(clock(3600.0 * 26.0 + 61.0), "26:01:01");
+        assert_eq!(eta(0, 10, 5.0), None);
+        assert_eq!(eta(4, 10, 2.0), Some(5.0));
+        assert_eq!(eta(4, 0, 2.0), Some(0.0));
+    }
 
     fn context(dir: &std::path::Path, ranks: usize) -> Arc<StepContext> {
         let micro = recipe::resolve("micro", &[]).unwrap().recipe;
