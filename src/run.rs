@@ -185,8 +185,8 @@ pub fn load_weights(
 
 /// Writes the final model as `model.safetensors`, then `model.bpk` (whose presence marks a
 /// finished run), each to a temporary name renamed into place: a crash leaves no torn file.
-/// Both get the mode any new file gets (0644 under the usual umask 022): Burn's store creates
-/// its file for its owner only.
+/// Both get the mode any new file gets (0644 under the usual umask 022; where /proc tells the
+/// umask): Burn's store creates its file for its owner only.
 pub fn save_final(run: &Path, model: &Model) -> Result<()> {
     use burn::store::{ModuleSnapshot, SafetensorsStore};
     let safetensors = run.join(FINAL_SAFETENSORS);
@@ -205,24 +205,23 @@ pub fn save_final(run: &Path, model: &Model) -> Result<()> {
     publish(&tmp, &bpk)
 }
 
-/// Gives the written `tmp` the mode of a new file and renames it to `path`.
+/// Gives the written `tmp` the mode of a new file (where the umask can be read) and renames it
+/// to `path`.
 fn publish(tmp: &Path, path: &Path) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(tmp, std::fs::Permissions::from_mode(new_file_mode()))
+    new_file_mode()
+        .map_or(Ok(()), |mode| {
+            std::fs::set_permissions(tmp, std::fs::Permissions::from_mode(mode))
+        })
         .and_then(|()| std::fs::rename(tmp, path))
         .with_context(|| format!("writing {}", path.display()))
 }
 
-/// 0666 less the process's umask (from /proc; 022 where it cannot be read).
-fn new_file_mode() -> u32 {
-    let umask = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            let mask = status.lines().find_map(|l| l.strip_prefix("Umask:"))?;
-            u32::from_str_radix(mask.trim(), 8).ok()
-        })
-        .unwrap_or(0o022);
-    0o666 & !umask
+/// 0666 less the process's umask, read from /proc (none where it cannot be read).
+fn new_file_mode() -> Option<u32> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let umask = status.lines().find_map(|l| l.strip_prefix("Umask:"))?;
+    Some(0o666 & !u32::from_str_radix(umask.trim(), 8).ok()?)
 }
 
 #[cfg(test)]

@@ -214,11 +214,14 @@ fn read_ranks(text: &str) -> std::result::Result<Vec<Vec<u8>>, String> {
         return Err("no ranks".into());
     }
     // Ranks run from 0 without a gap: each below the number of tokens, each once.
-    let mut by_rank: Vec<Option<Vec<u8>>> = vec![None; entries.len()];
-    let mut lines = vec![0; entries.len()];
+    let count = entries.len();
+    let mut by_rank: Vec<Option<Vec<u8>>> = vec![None; count];
+    let mut lines = vec![0; count];
     for (rank, token, line) in entries {
         let Some(slot) = by_rank.get_mut(rank) else {
-            continue;
+            return Err(format!(
+                "line {line}: rank {rank} is past the {count} tokens of the file (ranks run from 0 without a gap)"
+            ));
         };
         if slot.is_some() {
             return Err(format!(
@@ -378,7 +381,7 @@ mod tests {
             ),
             (
                 with(&|l| l.push("Zm9vYmFy 4000000000".into())),
-                "rank 520 is missing",
+                "line 521: rank 4000000000 is past the 521 tokens",
             ),
             (String::new(), "no ranks"),
         ];
