@@ -13,7 +13,8 @@ use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct PrepareArgs {
-    /// Input files or directories (.txt, .jsonl, .txt.gz, .jsonl.gz; directories recursively).
+    /// Input files or directories (.txt, .jsonl, .txt.gz, .jsonl.gz, .parquet; directories
+    /// recursively).
     #[arg(long = "input", required = true, num_args = 1..)]
     inputs: Vec<PathBuf>,
     /// A tokenizer.json to use.
@@ -28,7 +29,8 @@ pub struct PrepareArgs {
     /// Output directory (with --part or --slurm: the directory holding the parts).
     #[arg(long)]
     out: PathBuf,
-    /// JSON field holding the text of .jsonl inputs.
+    /// Field holding the text: of each .jsonl line's object, and the (string) column of .parquet
+    /// inputs.
     #[arg(long, default_value = "text")]
     text_field: String,
     /// About one document in N goes to the validation split, chosen by the SHA-256 of its text
@@ -151,7 +153,8 @@ pub struct TokenizerArgs {
     /// Text bytes read from the inputs to train on.
     #[arg(long, default_value_t = 256 << 20)]
     tokenizer_sample_bytes: usize,
-    /// JSON field holding the text of .jsonl inputs.
+    /// Field holding the text: of each .jsonl line's object, and the (string) column of .parquet
+    /// inputs.
     #[arg(long, default_value = "text")]
     text_field: String,
     /// Where to write tokenizer.json.
@@ -317,9 +320,10 @@ fn print_skipped(skipped: &[diffzoo_datasets::Skip]) {
     }
     println!("skipped {} (listed in manifest.json):", skipped.len());
     for skip in skipped.iter().take(10) {
-        match skip.line {
-            Some(line) => println!("  {}:{line}: {}", skip.file, skip.reason),
-            None => println!("  {}: {}", skip.file, skip.reason),
+        match (skip.line, skip.row) {
+            (Some(line), _) => println!("  {}:{line}: {}", skip.file, skip.reason),
+            (None, Some(row)) => println!("  {} row {row}: {}", skip.file, skip.reason),
+            (None, None) => println!("  {}: {}", skip.file, skip.reason),
         }
     }
 }

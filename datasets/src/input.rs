@@ -1,12 +1,15 @@
 //! Input text: `.txt` files (one document each), `.jsonl` files (one document per line, its text
-//! in a configurable field), either gzipped (`.gz`), and directories walked recursively.
+//! in a configurable field), either gzipped (`.gz`), `.parquet` files (one document per row, its
+//! text in a string column of the same name), and directories walked recursively.
 //!
 //! Whole-file problems (a missing path, an explicitly named file of another type, a directory
-//! with nothing usable, corrupt gzip) are errors. Per-document problems (invalid UTF-8, a
-//! malformed JSON line, a missing or non-string field, an empty text) are skips: counted,
-//! reported with file and line, never silent.
+//! with nothing usable, corrupt gzip or Parquet, a Parquet file without that string column) are
+//! errors. Per-document problems (invalid UTF-8, a malformed JSON line, a missing, null or
+//! non-string field, an empty text) are skips: counted, reported with file and line or row,
+//! never silent.
 
 use crate::error::{DataError, Result};
+use crate::parquet_text::{ParquetText, RowText};
 use flate2::read::MultiGzDecoder;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
@@ -24,9 +27,12 @@ pub struct Document {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Skip {
     pub file: String,
-    /// 1-based line for JSON lines; `None` for a whole file.
+    /// 1-based line for JSON lines; `None` for a whole file or a Parquet row.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub line: Option<usize>,
+    /// Row of a Parquet file, numbered from 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub row: Option<u64>,
     pub reason: String,
 }
 
@@ -34,7 +40,11 @@ pub struct Skip {
 enum Format {
     Text,
     JsonLines,
+    Parquet,
 }
+
+/// What the input types are, for messages.
+const TYPES: &str = ".txt, .jsonl, .txt.gz, .jsonl.gz or .parquet";
 
 /// A file to read.
 #[derive(Debug, Clone)]
@@ -56,6 +66,8 @@ impl InputFile {
             Format::Text
         } else if stem.ends_with(".jsonl") {
             Format::JsonLines
+        } else if stem.ends_with(".parquet") && !gzip {
+            Format::Parquet
         } else {
             return None;
         };
@@ -123,14 +135,13 @@ pub fn resolve(paths: &[PathBuf]) -> Result<(Vec<InputFile>, Vec<Skip>)> {
             if files.len() == before {
                 return Err(DataError::Input {
                     path: path.clone(),
-                    reason: "directory has no .txt, .jsonl, .txt.gz or .jsonl.gz files".into(),
+                    reason: format!("directory has no {TYPES} files"),
                 });
             }
         } else {
             files.push(InputFile::classify(path).ok_or_else(|| DataError::Input {
                 path: path.clone(),
-                reason:
-                    "unsupported file type (expected .txt, .jsonl, .txt.gz or .jsonl.gz)".into(),
+                reason: format!("unsupported file type (expected {TYPES})"),
             })?);
         }
     }
@@ -153,6 +164,7 @@ fn walk(dir: &Path, files: &mut Vec<InputFile>, skips: &mut Vec<Skip>) -> Result
             skips.push(Skip {
                 file: path.display().to_string(),
                 line: None,
+                row: None,
                 reason: "unsupported file type".into(),
             });
         }
@@ -165,6 +177,8 @@ fn walk(dir: &Path, files: &mut Vec<InputFile>, skips: &mut Vec<Skip>) -> Result
 pub struct Documents {
     files: std::vec::IntoIter<InputFile>,
     current: Option<(InputFile, Box<dyn BufRead + Send>, usize)>,
+    /// The Parquet file being read and the rows decoded from it not yet handed out.
+    parquet: Option<(ParquetText, std::vec::IntoIter<(u64, RowText)>)>,
     field: String,
     skips: Vec<Skip>,
     /// Bytes of input files opened so far (compressed size for gzip).
@@ -176,6 +190,7 @@ impl Documents {
         Self {
             files: files.into_iter(),
             current: None,
+            parquet: None,
             field: text_field.to_string(),
             skips: Vec::new(),
             bytes_opened: 0,
@@ -196,8 +211,49 @@ impl Documents {
         self.skips.push(Skip {
             file: file.display().to_string(),
             line,
+            row: None,
             reason: reason.into(),
         });
+    }
+
+    fn open_parquet(&mut self, file: &InputFile) -> Result<()> {
+        let table = ParquetText::open(&file.path, &self.field)?;
+        self.bytes_opened += std::fs::metadata(&file.path).map_or(0, |m| m.len());
+        self.parquet = Some((table, Vec::new().into_iter()));
+        Ok(())
+    }
+
+    /// The next document of the current Parquet file, or `None` at its end.
+    fn next_row(&mut self) -> Option<Result<Document>> {
+        loop {
+            let (table, rows) = self.parquet.as_mut()?;
+            let Some((row, text)) = rows.next() else {
+                match table.next_rows() {
+                    Some(Ok(next)) => *rows = next.into_iter(),
+                    Some(Err(e)) => {
+                        self.parquet = None;
+                        return Some(Err(e));
+                    }
+                    None => self.parquet = None,
+                }
+                continue;
+            };
+            let file = table.path().display().to_string();
+            match text {
+                Ok(text) => {
+                    return Some(Ok(Document {
+                        origin: format!("{file} row {row}"),
+                        text,
+                    }));
+                }
+                Err(reason) => self.skips.push(Skip {
+                    file,
+                    line: None,
+                    row: Some(row),
+                    reason,
+                }),
+            }
+        }
     }
 
     /// The next document of the current JSON-lines file, or `None` at its end.
@@ -300,7 +356,19 @@ impl Iterator for Documents {
                     None => continue,
                 }
             }
+            if self.parquet.is_some() {
+                match self.next_row() {
+                    Some(item) => return Some(item),
+                    None => continue,
+                }
+            }
             let file = self.files.next()?;
+            if file.format == Format::Parquet {
+                if let Err(e) = self.open_parquet(&file) {
+                    return Some(Err(e));
+                }
+                continue;
+            }
             let reader = match self.open(file.clone()) {
                 Ok(r) => r,
                 Err(e) => return Some(Err(e)),
@@ -312,6 +380,7 @@ impl Iterator for Documents {
                     Ok(None) => {}
                     Err(e) => return Some(Err(e)),
                 },
+                Format::Parquet => unreachable!("Parquet files are opened above"),
             }
         }
     }

@@ -1,7 +1,8 @@
 //! # diffzoo-datasets
 //!
 //! The data side of diffzoo: the embedded corpus ([`corpus`]), tokenizers ([`tokenizer`], and
-//! [`tiktoken`] rank files converted), reading text inputs ([`input`]), token shards ([`shards`])
+//! [`tiktoken`] rank files converted), reading text inputs ([`input`]: text, JSON lines, Parquet),
+//! token shards ([`shards`])
 //! and training windows with an exactly resumable order ([`windows`]), and the
 //! needle-in-a-haystack retrieval task ([`needle`]).
 
@@ -9,6 +10,7 @@ pub mod corpus;
 pub mod error;
 pub mod input;
 pub mod needle;
+mod parquet_text;
 pub mod parts;
 pub mod rng;
 pub mod shards;

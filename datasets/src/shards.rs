@@ -344,6 +344,7 @@ pub fn prepare(
                 skipped.push(Skip {
                     file: doc.origin,
                     line: None,
+                    row: None,
                     reason: "no tokens".into(),
                 });
                 continue;

@@ -6,8 +6,8 @@ use diffzoo_datasets::corpus::{EMBEDDED_VALIDATION_EVERY, embedded_shards, embed
 use diffzoo_datasets::parts;
 use diffzoo_datasets::shards::{SplitRule, prepare};
 use diffzoo_datasets::{
-    DataError, Documents, PrepareOptions, SampleOrder, Shards, Split, TextTokenizer, TokenDtype,
-    TokenWindows, WindowSlice, corpus, input,
+    DataError, DocumentSource, Documents, PrepareOptions, SampleOrder, Shards, Split,
+    TextTokenizer, TokenDtype, TokenWindows, WindowSlice, corpus, input,
 };
 use flate2::write::GzEncoder;
 use std::collections::HashSet;
@@ -44,14 +44,57 @@ fn prepare_paths(
     prepare(Documents::new(files, "text"), tokenizer(), options, skips)
 }
 
-/// A directory of mixed inputs: txt, jsonl, their gz, a nested directory and an unsupported file.
+/// A Parquet file of one nullable string column `text`, written by the `parquet` crate itself,
+/// `rows_per_group` rows to a row group.
+fn write_parquet(path: &Path, texts: &[Option<&str>], rows_per_group: usize) {
+    use parquet::data_type::{ByteArray, ByteArrayType};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    let schema = parquet::schema::parser::parse_message_type(
+        "message doc { required int64 id; optional binary text (STRING); }",
+    )
+    .unwrap();
+    let props = WriterProperties::builder()
+        .set_compression(parquet::basic::Compression::SNAPPY)
+        .build();
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let file = std::fs::File::create(path).unwrap();
+    let mut writer = SerializedFileWriter::new(file, Arc::new(schema), Arc::new(props)).unwrap();
+    for (g, group) in texts.chunks(rows_per_group).enumerate() {
+        let mut row_group = writer.next_row_group().unwrap();
+        let ids: Vec<i64> = (0..group.len())
+            .map(|i| (g * rows_per_group + i) as i64)
+            .collect();
+        let mut column = row_group.next_column().unwrap().unwrap();
+        column
+            .typed::<parquet::data_type::Int64Type>()
+            .write_batch(&ids, None, None)
+            .unwrap();
+        column.close().unwrap();
+        let values: Vec<ByteArray> = group.iter().flatten().map(|&t| t.into()).collect();
+        let levels: Vec<i16> = group.iter().map(|t| i16::from(t.is_some())).collect();
+        let mut column = row_group.next_column().unwrap().unwrap();
+        column
+            .typed::<ByteArrayType>()
+            .write_batch(&values, Some(&levels), None)
+            .unwrap();
+        column.close().unwrap();
+        row_group.close().unwrap();
+    }
+    writer.close().unwrap();
+}
+
+/// A directory of mixed inputs: txt, jsonl, their gz, Parquet, a nested directory and an
+/// unsupported file.
 fn mixed_inputs(root: &Path) -> Vec<&'static str> {
     let docs = [
         "First document, plain text.",
         "Second document from JSON.",
         "Third, JSON gz.",
         "Fourth, text gz.",
-        "Fifth, nested.",
+        "Fifth, a Parquet row.",
+        "Sixth, the next row group.",
+        "Seventh, nested.",
     ];
     write(&root.join("a.txt"), docs[0].as_bytes());
     write(
@@ -63,7 +106,8 @@ fn mixed_inputs(root: &Path) -> Vec<&'static str> {
         &gzip(format!("{{\"text\": \"{}\"}}\n", docs[2]).as_bytes()),
     );
     write(&root.join("d.txt.gz"), &gzip(docs[3].as_bytes()));
-    write(&root.join("sub/e.txt"), docs[4].as_bytes());
+    write_parquet(&root.join("e.parquet"), &[Some(docs[4]), Some(docs[5])], 1);
+    write(&root.join("sub/f.txt"), docs[6].as_bytes());
     write(&root.join("notes.md"), b"not read");
     docs.to_vec()
 }
@@ -76,7 +120,7 @@ fn mixed_directory_round_trips_through_shards() {
     options.validation_every = 0;
     options.shard_tokens = 7; // many tiny shards: reads cross boundaries
     let manifest = prepare_paths(&[tmp.path().join("in")], &options).unwrap();
-    assert_eq!(manifest.train.documents, 5);
+    assert_eq!(manifest.train.documents, 7);
     assert!(manifest.train.shards.len() > 3);
     assert_eq!(manifest.dtype, TokenDtype::U16);
     assert_eq!(manifest.skipped.len(), 1);
@@ -232,6 +276,141 @@ fn per_line_problems_are_counted_skips_with_file_and_line() {
 
 fn error_of(result: Result<impl std::fmt::Debug, DataError>) -> String {
     result.expect_err("an error").to_string()
+}
+
+/// Documents as (origin, text) and skips as (row, reason).
+type ReadBack = (Vec<(String, String)>, Vec<(Option<u64>, String)>);
+
+/// The documents and skips read from `paths`.
+fn read_all(paths: &[PathBuf]) -> Result<ReadBack, DataError> {
+    let (files, _) = input::resolve(paths)?;
+    let mut documents = Documents::new(files, "text");
+    let docs = documents
+        .by_ref()
+        .map(|d| d.map(|d| (d.origin, d.text)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let skips = documents
+        .skipped()
+        .into_iter()
+        .map(|s| (s.row, s.reason))
+        .collect();
+    Ok((docs, skips))
+}
+
+#[test]
+fn parquet_written_by_pyarrow_reads_row_by_row_and_refuses_what_it_cannot_honour() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parquet");
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let read = expected["read"].as_object().unwrap();
+    assert_eq!(
+        read.len(),
+        11,
+        "every codec and page version, and large_string"
+    );
+    for (name, rows) in read {
+        let path = dir.join(name);
+        let (docs, skips) = read_all(std::slice::from_ref(&path)).unwrap();
+        let (mut want_docs, mut want_skips) = (Vec::new(), Vec::new());
+        for row in rows.as_array().unwrap() {
+            let number = row["row"].as_u64().unwrap();
+            match row.get("text") {
+                Some(text) => want_docs.push((
+                    format!("{} row {number}", path.display()),
+                    text.as_str().unwrap().to_string(),
+                )),
+                None => want_skips.push((Some(number), row["skip"].as_str().unwrap().to_string())),
+            }
+        }
+        assert_eq!(docs, want_docs, "{name}");
+        assert_eq!(skips, want_skips, "{name}");
+    }
+    for (name, words) in expected["refused"].as_object().unwrap() {
+        let err = error_of(read_all(&[dir.join(name)]));
+        assert!(err.contains(name.as_str()), "{name}: {err}");
+        for word in words.as_array().unwrap() {
+            assert!(err.contains(word.as_str().unwrap()), "{name}: {err}");
+        }
+    }
+    let mut field = Documents::new(
+        input::resolve(&[dir.join("none-v1.parquet")]).unwrap().0,
+        "body",
+    );
+    let err = field.next().unwrap().unwrap_err().to_string();
+    assert!(
+        err.contains("no column `body` (columns: id, text)") && err.contains("--text-field"),
+        "{err}"
+    );
+    let fake = tempfile::tempdir().unwrap();
+    let path = fake.path().join("fake.parquet");
+    write(&path, b"PAR1 this is not parquet");
+    let err = error_of(read_all(&[path]));
+    assert!(
+        err.contains("fake.parquet: not a readable Parquet file"),
+        "{err}"
+    );
+}
+
+#[test]
+fn parquet_rows_shard_exactly_as_the_same_text_in_json_lines() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut rng = diffzoo_datasets::Rng::new(11);
+    let words = ["to", "be", "or", "not", "that", "is", "the", "question"];
+    let texts: Vec<Option<String>> = (0..200)
+        .map(|i| {
+            (i % 37 != 5).then(|| {
+                let n = 1 + rng.below(60) as usize;
+                let doc: Vec<&str> = (0..n).map(|_| words[rng.below(8) as usize]).collect();
+                doc.join(" ")
+            })
+        })
+        .collect();
+    let borrowed: Vec<Option<&str>> = texts.iter().map(Option::as_deref).collect();
+    // Two files, the second with more row groups than threads.
+    write_parquet(&tmp.path().join("parquet/a.parquet"), &borrowed[..50], 50);
+    write_parquet(&tmp.path().join("parquet/b.parquet"), &borrowed[50..], 7);
+    let lines: String = texts
+        .iter()
+        .flatten()
+        .map(|t| serde_json::json!({ "text": t }).to_string() + "\n")
+        .collect();
+    write(&tmp.path().join("jsonl/all.jsonl"), lines.as_bytes());
+    let mut tokens = Vec::new();
+    for input in ["parquet", "jsonl"] {
+        let mut options = PrepareOptions::new(tmp.path().join(format!("{input}-shards")));
+        options.validation_every = 5;
+        options.split_rule = SplitRule::Sha256;
+        options.shard_tokens = 500;
+        let manifest = prepare_paths(&[tmp.path().join(input)], &options).unwrap();
+        assert_eq!(
+            manifest.train.documents + manifest.validation.documents,
+            194
+        );
+        tokens.push([Split::Train, Split::Validation].map(|s| all_tokens(&options.out, s)));
+        if input == "parquet" {
+            let rows: Vec<_> = manifest
+                .skipped
+                .iter()
+                .map(|s| (s.file.clone(), s.row))
+                .collect();
+            let at = |file: &str, row| {
+                (
+                    tmp.path().join("parquet").join(file).display().to_string(),
+                    Some(row),
+                )
+            };
+            let want = [5, 42]
+                .map(|r| at("a.parquet", r))
+                .into_iter()
+                .chain([79 - 50, 116 - 50, 153 - 50, 190 - 50].map(|r| at("b.parquet", r)))
+                .collect::<Vec<_>>();
+            assert_eq!(rows, want);
+        }
+    }
+    assert!(
+        tokens[0] == tokens[1],
+        "Parquet and JSON lines shard differently"
+    );
 }
 
 #[test]
