@@ -15,6 +15,7 @@ mod scaling;
 mod slurm;
 mod sweep;
 mod train;
+mod watch;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -50,6 +51,9 @@ enum Command {
     Compare(eval::compare::CompareArgs),
     /// Train every recipe of a sweep into one directory (skipping finished runs).
     Sweep(sweep::SweepArgs),
+    /// Follow many runs (a sweep's directory, a Slurm array's output, run directories): their
+    /// state, progress, validation loss and time left, and their loss curves overlaid.
+    Watch(watch::WatchArgs),
     /// Scaling-law fits over sweeps.
     Scaling {
         #[command(subcommand)]
@@ -145,7 +149,7 @@ enum ScalingCommand {
 
 #[derive(Subcommand)]
 enum DataCommand {
-    /// Tokenize text files (.txt, .jsonl, their .gz, directories) into shards.
+    /// Tokenize text files (.txt, .jsonl, their .gz, .parquet, directories) into shards.
     Prepare(Box<data::PrepareArgs>),
     /// Train a byte-level BPE tokenizer alone (once, before preparing parts on many machines).
     Tokenizer(data::TokenizerArgs),
@@ -201,6 +205,7 @@ fn dispatch(cli: Cli) -> Result<Outcome> {
             EvalCommand::Lambda(args) => eval::lambda::run(&args),
         },
         Command::Compare(args) => eval::compare::run(&args),
+        Command::Watch(args) => watch::run(&args),
         Command::Scaling { command } => match command {
             ScalingCommand::Fit(args) => scaling::run(&args),
         },

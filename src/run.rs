@@ -9,7 +9,8 @@
 //!   checkpoint/        {model,optim,scheduler}-E.bpk and manifest-E.json (its step, sizes and
 //!                      SHA-256s) every checkpoint interval, and where a run was stopped; the
 //!                      last K kept; `format` marks checkpoints that have manifests
-//!   run.lock           held by the `train` writing the run
+//!   run.lock           held by the `train` writing the run (its process id and host inside)
+//!   outcome.json       how the last `train` ended: finished, stopped or failed (with why)
 //!   model.bpk          the final model (Burn's format) and model.safetensors (same weights)
 //!   import.json        where an imported run's weights came from (`diffzoo import hf`)
 //! ```
@@ -33,6 +34,49 @@ pub const METRICS: &str = "metrics.jsonl";
 pub const CHECKPOINTS: &str = "checkpoint";
 pub const FINAL_MODEL: &str = "model.bpk";
 pub const FINAL_SAFETENSORS: &str = "model.safetensors";
+pub const OUTCOME: &str = "outcome.json";
+
+/// How a `train` of the run ended (`outcome.json`); removed when the next one starts.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RunEnd {
+    /// `finished`, `stopped` (with a checkpoint to resume from) or `failed`.
+    pub state: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+impl RunEnd {
+    pub fn new(state: &str, reason: Option<String>) -> Self {
+        Self {
+            state: state.into(),
+            reason,
+        }
+    }
+
+    /// Written whole or not at all (a temporary file renamed).
+    pub fn write(&self, run: &Path) -> Result<()> {
+        let path = run.join(OUTCOME);
+        let partial = run.join(format!("{OUTCOME}.partial"));
+        std::fs::write(&partial, serde_json::to_string(self)? + "\n")
+            .and_then(|()| std::fs::rename(&partial, &path))
+            .with_context(|| format!("writing {}", path.display()))
+    }
+
+    /// The run's last ending; `None` while none is recorded (or the file is unreadable).
+    pub fn read(run: &Path) -> Option<Self> {
+        serde_json::from_str(&std::fs::read_to_string(run.join(OUTCOME)).ok()?).ok()
+    }
+
+    pub fn clear(run: &Path) -> Result<()> {
+        let path = run.join(OUTCOME);
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(e).with_context(|| format!("removing {}", path.display()))
+            }
+            _ => Ok(()),
+        }
+    }
+}
 
 /// The recipe's tokenizer and token shards (the embedded corpus is prepared and cached on
 /// first use). Errors name the recipe key at fault.

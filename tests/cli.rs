@@ -936,6 +936,100 @@ fn a_non_finite_loss_stops_training_naming_the_step() {
         !last["loss"].as_f64().is_some_and(f64::is_finite)
             || !last["grad_norm"].as_f64().is_some_and(f64::is_finite)
     );
+    let rows = json(&["watch", path(&run), "--once", "--json"]);
+    assert_eq!(rows[0]["state"], "failed", "{rows}");
+    assert!(
+        rows[0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("non-finite loss or gradient at step"),
+        "{rows}"
+    );
+}
+
+/// `watch --once` over a finished sweep shows every run as its summary does; a run held on
+/// another host is running while its log is fresh and failed once it falls silent.
+fn watch_follows_a_sweep(out: &Path, summary: &[Value]) {
+    let rows = json(&["watch", path(out), "--once", "--json"]);
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), summary.len());
+    for run in summary {
+        let row = rows
+            .iter()
+            .find(|r| r["run"] == run["recipe"])
+            .expect("every run watched");
+        assert_eq!(
+            (&row["state"], &row["step"], &row["steps"]),
+            (&Value::from("finished"), &Value::from(6), &Value::from(6)),
+            "{row}"
+        );
+        assert_eq!(row["val_loss"], run["validation_loss"], "{row}");
+        assert!(
+            row["best_val_loss"].as_f64() <= row["val_loss"].as_f64(),
+            "{row}"
+        );
+        assert_eq!(row["eta_sec"], Value::Null);
+    }
+    let table = ok(&["watch", path(out), "--once"]);
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(
+        lines[0].starts_with("run") && lines[0].contains("val loss") && lines[0].ends_with("ETA"),
+        "{table}"
+    );
+    assert!(
+        lines[1].starts_with("d16-l1-diff")
+            && lines[1].contains("finished")
+            && lines[1].contains("6/6"),
+        "{table}"
+    );
+
+    let elsewhere = out.join("elsewhere/run");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    for file in ["recipe.toml", "metrics.jsonl"] {
+        std::fs::copy(out.join("d16-l1-diff").join(file), elsewhere.join(file)).unwrap();
+    }
+    std::fs::write(elsewhere.join("run.lock"), "4242 node-17\n").unwrap();
+    let row = |rows: Value| {
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["run"] == "elsewhere/run")
+            .cloned()
+            .unwrap()
+    };
+    let live = row(json(&["watch", path(out), "--once", "--json"]));
+    assert_eq!(
+        (&live["state"], &live["detail"]),
+        (&Value::from("running"), &Value::from("on node-17")),
+        "{live}"
+    );
+    let log = std::fs::File::options()
+        .append(true)
+        .open(elsewhere.join("metrics.jsonl"))
+        .unwrap();
+    log.set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(3600))
+        .unwrap();
+    let silent = row(json(&["watch", path(out), "--once", "--json"]));
+    assert_eq!(silent["state"], "failed", "{silent}");
+    assert!(
+        silent["detail"]
+            .as_str()
+            .unwrap()
+            .contains("ran on node-17, silent for 1:00:0"),
+        "{silent}"
+    );
+    std::fs::remove_dir_all(out.join("elsewhere")).unwrap();
+
+    let empty = out.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let err = fails(&["watch", path(&empty), "--once"]);
+    assert!(err.contains("empty: no run directories"), "{err}");
+    std::fs::remove_dir(&empty).unwrap();
+    let err = fails(&["watch", path(out)]);
+    assert!(
+        err.contains("not a terminal") && err.contains("--once"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -973,6 +1067,7 @@ fn sweep_skips_finished_runs_and_scaling_fit_compares_architectures() {
             .all(|r| r["status"] == "finished" && r["validation_loss"].as_f64().is_some())
     );
     assert!(out.join("summary.json").exists());
+    watch_follows_a_sweep(&out, rows);
     // A second sweep trains nothing again.
     let log = out.join("d16-l1-diff/train.log");
     let before = std::fs::metadata(&log).unwrap().modified().unwrap();

@@ -142,6 +142,13 @@ fn manifest_steps(run: &Path) -> Vec<u64> {
     steps
 }
 
+/// The row `diffzoo watch RUN --once --json` shows for the run.
+fn watched(run: &Path) -> Value {
+    let rows: Value = serde_json::from_str(&ok(&["watch", path(run), "--once", "--json"])).unwrap();
+    assert_eq!(rows.as_array().map(Vec::len), Some(1), "{rows}");
+    rows[0].clone()
+}
+
 /// The run stopped with a resumable checkpoint at the step it says, and no final model.
 fn assert_stopped(status: ExitStatus, run: &Path, signal: &str) -> u64 {
     let log = output(run);
@@ -255,9 +262,18 @@ fn signals_stop_at_a_step_with_a_checkpoint_and_resume_exactly() {
         let (sig, name) = [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")][round];
         let mut child = spawn(run, &sets, resume);
         wait_for_step(&mut child, run, after);
+        let row = watched(run);
+        assert_eq!(row["state"], "running", "{row}");
+        assert!(row["step"].as_u64() >= Some(after), "{row}");
         signal(&child, sig);
         let status = child.wait().unwrap();
-        assert_stopped(status, run, name);
+        let step = assert_stopped(status, run, name);
+        let row = watched(run);
+        assert_eq!(
+            (&row["state"], &row["resumable"], row["step"].as_u64()),
+            (&Value::from("stopped"), &Value::from(true), Some(step)),
+            "{row}"
+        );
         status
     });
 }
@@ -326,6 +342,21 @@ fn sigkill_at_random_moments_then_resume_ends_like_an_uninterrupted_run() {
             if kills < 12 && due(&run) {
                 signal(&child, libc::SIGKILL);
                 child.wait().unwrap();
+                if !manifest_steps(&run).is_empty() {
+                    let row = watched(&run);
+                    assert_eq!(
+                        (&row["state"], &row["resumable"]),
+                        (&Value::from("failed"), &Value::from(true)),
+                        "{row}"
+                    );
+                    assert!(
+                        row["detail"]
+                            .as_str()
+                            .unwrap()
+                            .contains("recorded no outcome"),
+                        "{row}"
+                    );
+                }
                 break None;
             }
             std::thread::sleep(Duration::from_millis(2));
@@ -348,6 +379,7 @@ fn sigkill_at_random_moments_then_resume_ends_like_an_uninterrupted_run() {
         "resumed at {resumed_at:?}"
     );
     assert_same_run(&run, &reference);
+    assert_eq!(watched(&run)["state"], "finished");
 }
 
 #[test]

@@ -43,24 +43,78 @@ impl RunLock {
             if error.kind() != std::io::ErrorKind::WouldBlock {
                 bail!("locking {}: {error}", path.display());
             }
-            let mut holder = String::new();
-            let _ = file.read_to_string(&mut holder);
+            let mut text = String::new();
+            let _ = file.read_to_string(&mut text);
             bail!(
                 "{} is being trained by another process ({}, holding {}): wait for it to finish or stop it first",
                 dir.display(),
-                match holder.trim() {
-                    "" => "process id unknown".to_string(),
-                    pid => format!("process {pid}"),
+                match Holder::parse(&text) {
+                    None => "process id unknown".to_string(),
+                    Some(h) => format!("process {} on {}", h.pid, h.host),
                 },
                 path.display()
             );
         }
         file.set_len(0)
             .and_then(|()| file.rewind())
-            .and_then(|()| writeln!(file, "{}", std::process::id()))
+            .and_then(|()| writeln!(file, "{} {}", std::process::id(), host()))
             .with_context(|| format!("writing {}", path.display()))?;
         Ok(Self { _file: Some(file) })
     }
+}
+
+/// Who took a run's lock last: `run.lock` holds `PID HOST`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    pub pid: u32,
+    pub host: String,
+}
+
+impl Holder {
+    /// The last taker of `dir`'s lock, if any ever took it.
+    pub fn of(dir: &Path) -> Option<Self> {
+        Self::parse(&std::fs::read_to_string(dir.join(LOCK)).ok()?)
+    }
+
+    fn parse(text: &str) -> Option<Self> {
+        let mut words = text.split_whitespace();
+        let pid = words.next()?.parse().ok()?;
+        let host = words.next().unwrap_or("an unknown host").to_string();
+        Some(Self { pid, host })
+    }
+
+    /// Whether the lock is held now — answerable only on the holder's own host, from the
+    /// kernel's table of locks (`/proc/locks`, read without touching the lock: a `train` starting
+    /// meanwhile is never refused), else from whether the process is alive.
+    pub fn holds(&self, dir: &Path) -> Option<bool> {
+        if self.host != host() {
+            return None;
+        }
+        let inode = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(dir.join(LOCK)).ok()?);
+        Some(match std::fs::read_to_string("/proc/locks") {
+            Ok(table) => table.lines().any(|line| {
+                let words: Vec<&str> = line.split_whitespace().collect();
+                // `N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE START END`; waiters have `->`.
+                words.get(1) == Some(&"FLOCK")
+                    && words.get(4) == Some(&self.pid.to_string().as_str())
+                    && words.get(5).and_then(|w| w.rsplit(':').next())
+                        == Some(inode.to_string().as_str())
+            }),
+            // SAFETY: signal 0 only asks whether the process exists.
+            Err(_) => unsafe { libc::kill(self.pid as libc::pid_t, 0) == 0 },
+        })
+    }
+}
+
+/// This machine's host name.
+pub fn host() -> String {
+    let mut name = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; the name is NUL-terminated when it fits.
+    if unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) } != 0 {
+        return "localhost".into();
+    }
+    let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+    String::from_utf8_lossy(&name[..end]).into_owned()
 }
 
 #[cfg(test)]
@@ -73,12 +127,22 @@ mod tests {
         let run = dir.path().join("run");
         let first = RunLock::take(&run).unwrap();
         let err = RunLock::take(&run).err().unwrap().to_string();
-        let pid = std::process::id().to_string();
+        let pid = std::process::id();
         assert!(
-            err.contains("being trained by another process") && err.contains(&pid),
+            err.contains("being trained by another process")
+                && err.contains(&format!("process {pid} on {}", host())),
             "{err}"
         );
+        let holder = Holder::of(&run).unwrap();
+        assert_eq!(holder, Holder { pid, host: host() });
+        assert_eq!(holder.holds(&run), Some(true));
         drop(first);
+        assert_eq!(holder.holds(&run), Some(false));
         RunLock::take(&run).unwrap();
+        let elsewhere = Holder {
+            pid,
+            host: "another-host".into(),
+        };
+        assert_eq!(elsewhere.holds(&run), None);
     }
 }

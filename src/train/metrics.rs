@@ -29,6 +29,8 @@ pub struct StepStats {
     pub tokens_per_sec: Option<f64>,
     /// DIFF V1's λ of every layer (empty for other variants).
     pub lambdas: Vec<f32>,
+    /// Optimizer steps completed (training only).
+    pub step: Option<usize>,
 }
 
 impl ItemLazy for StepStats {
@@ -146,6 +148,63 @@ impl Numeric for StatMetric {
 
     fn final_value(&self) -> NumericEntry {
         self.state.final_value()
+    }
+}
+
+/// The dashboard's "Step" line: the optimizer step of the run, which Burn's dashboard does not
+/// show (its "epoch" is a checkpoint interval, its iterations are micro-batches).
+#[derive(Clone)]
+pub struct StepMetric {
+    total: usize,
+    interval: usize,
+    last: Option<SerializedEntry>,
+}
+
+impl StepMetric {
+    pub fn new(total: usize, interval: usize) -> Self {
+        Self {
+            total,
+            interval,
+            last: None,
+        }
+    }
+}
+
+impl Metric for StepMetric {
+    type Input = StepStats;
+
+    fn name(&self) -> MetricName {
+        Arc::new("Step".to_string())
+    }
+
+    fn update(
+        &mut self,
+        item: &StepStats,
+        _metadata: &MetricMetadata,
+    ) -> Result<SerializedEntry, TensorReadError> {
+        let entry = match item.step {
+            Some(step) => {
+                let text = format!(
+                    "{step} of {} (an epoch here is a checkpoint interval, {} steps)",
+                    self.total, self.interval
+                );
+                SerializedEntry::new(text, step.to_string())
+            }
+            None => SerializedEntry::not_available(None),
+        };
+        self.last = Some(entry.clone());
+        Ok(entry)
+    }
+
+    fn compute(&mut self) -> Result<SerializedEntry, TensorReadError> {
+        Ok(self
+            .last
+            .clone()
+            .unwrap_or_else(|| SerializedEntry::not_available(None)))
+    }
+
+    fn clear(&mut self) {
+        self.last = None;
     }
 }
 

@@ -29,7 +29,7 @@ pub mod tensorboard;
 use crate::Outcome;
 use crate::device;
 use crate::recipe::{self, NeedleSection, OptimizerSection, Recipe};
-use crate::run;
+use crate::run::{self, RunEnd};
 use anyhow::{Context, Result, anyhow, bail};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::module::ParamGroup;
@@ -45,7 +45,7 @@ use control::Intervals;
 use diffzoo_datasets::needle::NeedleMix;
 use diffzoo_datasets::{Split, TextTokenizer, TokenWindows};
 use loader::StepLoader;
-use metrics::{MetricsLog, StatMetric};
+use metrics::{MetricsLog, StatMetric, StepMetric};
 use schedule::{Schedule, ScheduleState};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -250,6 +250,24 @@ pub fn optimizer(o: &OptimizerSection) -> Result<burn::optim::ModuleOptimizer> {
 }
 
 pub fn run(args: &TrainArgs) -> Result<Outcome> {
+    let mut written = None;
+    let result = train(args, &mut written);
+    // How the run ended, for `diffzoo watch` (a killed process leaves nothing: watch says so).
+    if let Some(dir) = written {
+        let end = match &result {
+            Ok(Outcome::Done) => RunEnd::new("finished", None),
+            Ok(Outcome::Stopped) => RunEnd::new("stopped", None),
+            Err(e) => RunEnd::new("failed", Some(format!("{e:#}"))),
+        };
+        if let Err(e) = end.write(&dir) {
+            eprintln!("warning: {e:#}");
+        }
+    }
+    result
+}
+
+/// Trains; `written` is set once the run directory is being written.
+fn train(args: &TrainArgs, written: &mut Option<PathBuf>) -> Result<Outcome> {
     let resolved = recipe::resolve(&args.recipe, &args.overrides)?;
     let recipe = &resolved.recipe;
     let dashboard = !args.no_dashboard && std::io::stdout().is_terminal();
@@ -353,6 +371,8 @@ pub fn run(args: &TrainArgs) -> Result<Outcome> {
     }
     let _lock = lock::RunLock::take(&dir)?;
     let resume_from = prepare_run_dir(&dir, recipe, &tokenizer, args.resume)?;
+    RunEnd::clear(&dir)?;
+    *written = Some(dir.clone());
     let total = recipe.total_steps();
     // The epochs left end at multiples of the interval (a stopped run's checkpoint may not).
     let intervals = Intervals {
@@ -438,6 +458,7 @@ pub fn run(args: &TrainArgs) -> Result<Outcome> {
     );
     let mut training =
         SupervisedTraining::new(&dir, Arc::new(train_loader), Arc::new(valid_loader))
+            .metric_train(StepMetric::new(total, recipe.checkpoint.interval))
             .metric_train_numeric(StatMetric::loss())
             .metric_valid_numeric(StatMetric::loss())
             .metric_train_numeric(StatMetric::perplexity())

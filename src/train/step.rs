@@ -203,6 +203,7 @@ impl StepContext {
         self.control.step_done(step + 1);
         let stats = StepStats {
             tokens_per_sec: Some(stats.tokens as f64 / (now - since).as_secs_f64().max(1e-9)),
+            step: Some(step + 1),
             ..stats.clone()
         };
         let record = LogRecord {
@@ -364,6 +365,7 @@ impl TrainStep for Trainee {
             grad_norm: Some(grads::global_norm(&self.model, &mut grads)),
             tokens_per_sec: None,
             lambdas: self.model.lambdas(),
+            step: None,
         };
         let stats = context.train_step(item.step, &stats, started);
         if context.interrupter.should_stop() {
