@@ -623,6 +623,147 @@ fn prepared_shards_train_a_model() {
     );
 }
 
+/// A Parquet file of `texts` (a nullable string column `text` beside an `id`), written by the
+/// `parquet` crate, 8 rows to a row group.
+fn write_parquet(path: &Path, texts: &[Option<String>]) {
+    use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    use std::sync::Arc;
+    let schema = parquet::schema::parser::parse_message_type(
+        "message doc { required int64 id; optional binary text (STRING); }",
+    )
+    .unwrap();
+    let props = WriterProperties::builder()
+        .set_compression(parquet::basic::Compression::SNAPPY)
+        .build();
+    let file = std::fs::File::create(path).unwrap();
+    let mut writer = SerializedFileWriter::new(file, Arc::new(schema), Arc::new(props)).unwrap();
+    for (g, group) in texts.chunks(8).enumerate() {
+        let mut row_group = writer.next_row_group().unwrap();
+        let ids: Vec<i64> = (0..group.len()).map(|i| (g * 8 + i) as i64).collect();
+        let mut column = row_group.next_column().unwrap().unwrap();
+        column
+            .typed::<Int64Type>()
+            .write_batch(&ids, None, None)
+            .unwrap();
+        column.close().unwrap();
+        let values: Vec<ByteArray> = group.iter().flatten().map(|t| t.as_str().into()).collect();
+        let levels: Vec<i16> = group.iter().map(|t| i16::from(t.is_some())).collect();
+        let mut column = row_group.next_column().unwrap().unwrap();
+        column
+            .typed::<ByteArrayType>()
+            .write_batch(&values, Some(&levels), None)
+            .unwrap();
+        column.close().unwrap();
+        row_group.close().unwrap();
+    }
+    writer.close().unwrap();
+}
+
+/// A folder of Parquet files as the hub serves them, a tiktoken rank file as OpenAI publishes
+/// them: two commands, prepare and train.
+#[test]
+fn a_parquet_folder_trains_in_two_commands_with_a_tiktoken_vocabulary() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hub = tmp.path().join("hub/sample");
+    std::fs::create_dir_all(&hub).unwrap();
+    let words = [
+        "It",
+        "is",
+        "a",
+        "truth",
+        "universally",
+        "acknowledged,",
+        "that",
+        "single",
+        "man",
+        "in",
+        "possession",
+        "of",
+        "good",
+        "fortune,",
+        "must",
+        "be",
+        "want",
+        "wife.",
+        "Ünïcödé",
+        "2024",
+    ];
+    for file in 0..2 {
+        let texts: Vec<Option<String>> = (0..40)
+            .map(|row| {
+                (row != 13).then(|| {
+                    (0..60 + row)
+                        .map(|w| words[(w * 7 + row * 3 + file) % words.len()])
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                })
+            })
+            .collect();
+        write_parquet(
+            &hub.join(format!("train-0000{file}-of-00002.parquet")),
+            &texts,
+        );
+    }
+    let ranks = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("datasets/tests/fixtures/tiktoken/cl100k_base.tiktoken");
+    let shards = tmp.path().join("shards");
+    let manifest: Value = serde_json::from_str(&ok(&[
+        "data",
+        "prepare",
+        "--input",
+        path(&tmp.path().join("hub")),
+        "--tokenizer",
+        path(&ranks),
+        "--out",
+        path(&shards),
+        "--validation-every",
+        "4",
+        "--json",
+    ]))
+    .unwrap();
+    let documents = |split: &str| manifest[split]["documents"].as_u64().unwrap();
+    assert_eq!(
+        documents("train") + documents("validation"),
+        78,
+        "{manifest}"
+    );
+    let skipped = manifest["skipped"].as_array().unwrap();
+    assert_eq!(skipped.len(), 2, "{manifest}");
+    assert!(
+        skipped
+            .iter()
+            .all(|s| s["row"] == 13 && s["reason"] == "null `text`")
+    );
+    // The tiktoken file's 520 ranks and its special tokens up to <|endofprompt|> = 540.
+    assert_eq!(manifest["tokenizer"]["eot_id"], 521);
+
+    let run = tmp.path().join("run");
+    let corpus = format!("data.corpus={}", path(&shards));
+    let stdout = ok(&[
+        "train",
+        "--recipe",
+        "micro",
+        "--set",
+        &corpus,
+        "--set",
+        "training.steps=4",
+        "--set",
+        "checkpoint.interval=2",
+        "--set",
+        "checkpoint.eval_batches=1",
+        "--out",
+        path(&run),
+    ]);
+    assert!(
+        stdout.contains("`model.vocab_size` = 576: the 541 ids"),
+        "{stdout}"
+    );
+    assert_eq!(records(&run, "train").len(), 4);
+    assert!(run.join("model.bpk").exists());
+}
+
 /// The `micro` recipe on shards of a 300-token vocabulary (which name their own tokenizer).
 fn micro_on_shards(shards: &Path) -> String {
     std::fs::read_to_string(recipes_dir().join("micro.toml"))
