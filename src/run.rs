@@ -36,13 +36,16 @@ pub const FINAL_MODEL: &str = "model.bpk";
 pub const FINAL_SAFETENSORS: &str = "model.safetensors";
 pub const OUTCOME: &str = "outcome.json";
 
-/// How a `train` of the run ended (`outcome.json`); removed when the next one starts.
+/// How a `train` of the run ended (`outcome.json`), and which process it was (the one
+/// `run.lock` names, unless another has claimed the run since); removed when the next one starts.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RunEnd {
     /// `finished`, `stopped` (with a checkpoint to resume from) or `failed`.
     pub state: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    pub pid: u32,
+    pub host: String,
 }
 
 impl RunEnd {
@@ -50,15 +53,15 @@ impl RunEnd {
         Self {
             state: state.into(),
             reason,
+            pid: std::process::id(),
+            host: crate::train::lock::host(),
         }
     }
 
-    /// Written whole or not at all (a temporary file renamed).
+    /// Written whole or not at all (a temporary file synced and renamed).
     pub fn write(&self, run: &Path) -> Result<()> {
         let path = run.join(OUTCOME);
-        let partial = run.join(format!("{OUTCOME}.partial"));
-        std::fs::write(&partial, serde_json::to_string(self)? + "\n")
-            .and_then(|()| std::fs::rename(&partial, &path))
+        checkpoint::write_whole(&path, (serde_json::to_string(self)? + "\n").as_bytes())
             .with_context(|| format!("writing {}", path.display()))
     }
 

@@ -11,9 +11,9 @@
 use crate::recipe::Recipe;
 use crate::run::{self, RunEnd};
 use crate::train::checkpoint;
-use crate::train::lock::Holder;
+use crate::train::lock::{self, Holder};
 use anyhow::{Result, bail};
-use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind};
+use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers};
 use ratatui::layout::{Constraint, Layout};
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::symbols;
@@ -43,20 +43,22 @@ pub struct WatchArgs {
 }
 
 pub fn run(args: &WatchArgs) -> Result<()> {
-    if !(args.interval.is_finite() && args.interval > 0.0) {
+    if !(args.interval > 0.0 && args.interval <= 3600.0) {
         bail!(
-            "--interval {}: expected a positive number of seconds",
+            "--interval {}: expected a number of seconds above 0, at most 3600",
             args.interval
         );
     }
     let mut runs = Runs::default();
-    runs.refresh(&args.dirs)?;
+    let problems = runs.refresh(&args.dirs);
     if args.once {
-        let rows = runs.rows();
+        if let Some(problem) = problems.first() {
+            bail!("{problem}");
+        }
         if args.json {
-            println!("{}", serde_json::to_string_pretty(&rows)?);
+            println!("{}", serde_json::to_string_pretty(&runs.rows)?);
         } else {
-            print!("{}", table(&rows));
+            print!("{}", table(&runs.rows));
         }
         return Ok(());
     }
@@ -66,13 +68,13 @@ pub fn run(args: &WatchArgs) -> Result<()> {
         );
     }
     let mut terminal = ratatui::init();
-    let result = dashboard(&mut terminal, &mut runs, args);
+    let result = dashboard(&mut terminal, &mut runs, args, problems);
     ratatui::restore();
     result
 }
 
-/// Seconds without a write to `metrics.jsonl` after which a run held on another host is no
-/// longer taken to be running.
+/// Seconds without a write to `metrics.jsonl` or `run.lock` after which a run claimed on
+/// another host is no longer taken to be running.
 const SILENT_SECS: f64 = 600.0;
 
 /// What the table shows of one run.
@@ -88,7 +90,8 @@ pub struct RunRow {
     /// Whether a checkpoint to resume from exists (for stopped and failed runs).
     pub resumable: bool,
     pub step: usize,
-    pub steps: usize,
+    /// The recipe's steps (`None` while its recipe.toml does not read).
+    pub steps: Option<usize>,
     pub tokens: u64,
     pub val_loss: Option<f64>,
     pub best_val_loss: Option<f64>,
@@ -97,41 +100,41 @@ pub struct RunRow {
     pub eta_sec: Option<f64>,
 }
 
-/// The runs found so far and what their logs said.
+/// The runs found so far, what their logs said and the rows made of both at the last refresh.
 #[derive(Default)]
 struct Runs {
     runs: BTreeMap<PathBuf, Watched>,
+    rows: Vec<RunRow>,
 }
 
 struct Watched {
     name: String,
-    steps: usize,
+    steps: Option<usize>,
     log: LogFollower,
+    /// Whether a checkpoint resumes the run, as of the checkpoint directory's modification time
+    /// (verifying hashes every checkpoint: done again only when the directory changes).
+    resumable: Option<(Option<SystemTime>, bool)>,
 }
 
 impl Runs {
-    /// Finds the runs under `dirs` (new ones are added) and reads what their logs gained.
-    fn refresh(&mut self, dirs: &[PathBuf]) -> Result<()> {
+    /// Finds the runs under `dirs` (new ones are added), reads what their logs gained and makes
+    /// the rows; returns what went wrong with which directory (the others are still read).
+    fn refresh(&mut self, dirs: &[PathBuf]) -> Vec<String> {
+        let mut problems = Vec::new();
         for dir in dirs {
             if !dir.is_dir() {
-                bail!("{}: not a directory", dir.display());
+                problems.push(format!("{}: not a directory", dir.display()));
+                continue;
             }
             let found = find_runs(dir);
             if found.is_empty() {
-                bail!(
+                problems.push(format!(
                     "{}: no run directories in it or four levels below (a run directory holds {})",
                     dir.display(),
                     run::RECIPE
-                );
+                ));
             }
             for path in found {
-                if self.runs.contains_key(&path) {
-                    continue;
-                }
-                // A recipe that does not read is a run this build cannot follow: it is named.
-                let steps = run::run_recipe(&path)
-                    .as_ref()
-                    .map_or(0, Recipe::total_steps);
                 let name = path
                     .strip_prefix(dir)
                     .ok()
@@ -139,21 +142,23 @@ impl Runs {
                     .unwrap_or(&path)
                     .display()
                     .to_string();
-                let log = LogFollower::new(path.join(run::METRICS));
-                self.runs.insert(path, Watched { name, steps, log });
+                self.runs.entry(path.clone()).or_insert_with(|| Watched {
+                    name,
+                    steps: None,
+                    log: LogFollower::new(path.join(run::METRICS)),
+                    resumable: None,
+                });
             }
         }
-        for watched in self.runs.values_mut() {
+        for (dir, watched) in &mut self.runs {
+            if watched.steps.is_none() {
+                // Read again until it reads (a recipe.toml being written, or of another build).
+                watched.steps = run::run_recipe(dir).as_ref().ok().map(Recipe::total_steps);
+            }
             watched.log.read();
         }
-        Ok(())
-    }
-
-    fn rows(&self) -> Vec<RunRow> {
-        self.runs
-            .iter()
-            .map(|(dir, w)| row(dir, &w.name, w.steps, &w.log))
-            .collect()
+        self.rows = self.runs.iter_mut().map(|(dir, w)| row(dir, w)).collect();
+        problems
     }
 }
 
@@ -183,25 +188,38 @@ fn find_runs(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
-fn row(dir: &Path, name: &str, steps: usize, log: &LogFollower) -> RunRow {
-    let (state, detail) = state(dir, log);
+fn row(dir: &Path, watched: &mut Watched) -> RunRow {
+    let (state, detail) = state(dir, &watched.log);
     let running = state == "running";
+    let resumable = !running && state != "finished" && {
+        let checkpoints = dir.join(run::CHECKPOINTS);
+        let modified = std::fs::metadata(&checkpoints)
+            .and_then(|m| m.modified())
+            .ok();
+        match watched.resumable {
+            Some((at, resumable)) if at == modified => resumable,
+            _ => {
+                let resumable = checkpoint::resumable(&checkpoints);
+                watched.resumable = Some((modified, resumable));
+                resumable
+            }
+        }
+    };
+    let log = &watched.log;
     RunRow {
-        run: name.to_string(),
+        run: watched.name.clone(),
         dir: dir.to_path_buf(),
-        resumable: !running
-            && state != "finished"
-            && checkpoint::resumable(&dir.join(run::CHECKPOINTS)),
+        resumable,
         state,
         detail,
         step: log.step,
-        steps,
+        steps: watched.steps,
         tokens: log.tokens,
         val_loss: log.val_loss,
         best_val_loss: log.best_val_loss,
         tokens_per_sec: log.tokens_per_sec,
         eta_sec: running
-            .then(|| log.pace.eta(steps.saturating_sub(log.step)))
+            .then(|| log.pace.eta(watched.steps?.saturating_sub(log.step)))
             .flatten(),
     }
 }
@@ -211,36 +229,50 @@ fn state(dir: &Path, log: &LogFollower) -> (String, Option<String>) {
     if dir.join(run::FINAL_MODEL).exists() {
         return ("finished".into(), None);
     }
-    let holder = Holder::of(dir);
-    let held = holder
-        .as_ref()
-        .and_then(|h| h.holds(dir).map(|held| (h, held)));
-    if let Some((holder, true)) = held {
+    let Some(holder) = Holder::of(dir) else {
+        return ("not started".into(), None);
+    };
+    let held = holder.holds(dir);
+    if held == Some(true) {
         return ("running".into(), Some(format!("process {}", holder.pid)));
     }
-    if let Some(end) = RunEnd::read(dir) {
+    // An outcome counts only if the process that recorded it is the last to claim the run.
+    if let Some(end) = RunEnd::read(dir).filter(|e| e.pid == holder.pid && e.host == holder.host) {
         return (end.state, end.reason);
     }
-    match (&holder, held) {
-        (None, _) => ("not started".into(), None),
-        (Some(holder), None) => match log.silent_secs() {
-            Some(secs) if secs < SILENT_SECS => {
-                ("running".into(), Some(format!("on {}", holder.host)))
-            }
-            silent => (
-                "failed".into(),
-                Some(format!(
-                    "ran on {}, silent for {} with no outcome recorded (killed? a lost node?)",
-                    holder.host,
-                    silent.map_or("ever".into(), clock)
-                )),
-            ),
-        },
-        (Some(_), Some(_)) => (
+    if held.is_some() {
+        return (
             "failed".into(),
             Some("the process is gone and recorded no outcome (killed? out of memory?)".into()),
+        );
+    }
+    let lock = std::fs::metadata(dir.join(lock::LOCK))
+        .and_then(|m| m.modified())
+        .ok();
+    match [log.modified, lock]
+        .into_iter()
+        .flatten()
+        .max()
+        .map(silent_secs)
+    {
+        Some(secs) if secs < SILENT_SECS => ("running".into(), Some(format!("on {}", holder.host))),
+        silent => (
+            "failed".into(),
+            Some(format!(
+                "ran on {}, silent for {} and recorded no outcome (killed? a lost node?)",
+                holder.host,
+                silent.map_or("ever".into(), clock)
+            )),
         ),
     }
+}
+
+/// Seconds since `time`.
+fn silent_secs(time: SystemTime) -> f64 {
+    SystemTime::now()
+        .duration_since(time)
+        .unwrap_or_default()
+        .as_secs_f64()
 }
 
 /// `metrics.jsonl` read as it grows: only the bytes appended since the last read are parsed, a
@@ -315,26 +347,17 @@ impl LogFollower {
             let step = r.step as f64;
             let keep = self.losses.partition_point(|&(s, _)| s < step);
             self.losses.truncate(keep);
-            self.losses.push((step, r.loss));
+            self.losses.extend(r.loss.map(|loss| (step, loss)));
             self.step = r.step;
             self.tokens = r.tokens_seen;
             self.tokens_per_sec = r.tokens_per_sec.or(self.tokens_per_sec);
             self.pace.step(r.step, r.elapsed_sec);
         } else {
-            self.val_loss = Some(r.loss);
-            self.best_val_loss = Some(self.best_val_loss.map_or(r.loss, |b| b.min(r.loss)));
+            self.val_loss = r.loss;
+            if let Some(loss) = r.loss {
+                self.best_val_loss = Some(self.best_val_loss.map_or(loss, |b| b.min(loss)));
+            }
         }
-    }
-
-    /// Seconds since the log was last written.
-    fn silent_secs(&self) -> Option<f64> {
-        let modified = self.modified?;
-        Some(
-            SystemTime::now()
-                .duration_since(modified)
-                .unwrap_or_default()
-                .as_secs_f64(),
-        )
     }
 }
 
@@ -345,7 +368,8 @@ struct Record {
     step: usize,
     #[serde(default)]
     tokens_seen: u64,
-    loss: f64,
+    /// `null` where it was not finite.
+    loss: Option<f64>,
     #[serde(default)]
     tokens_per_sec: Option<f64>,
     #[serde(default)]
@@ -405,7 +429,11 @@ fn cells(r: &RunRow) -> [String; 8] {
     [
         r.run.clone(),
         state,
-        format!("{}/{}", r.step, r.steps),
+        format!(
+            "{}/{}",
+            r.step,
+            r.steps.map_or("?".into(), |s| s.to_string())
+        ),
         tokens(r.tokens),
         number(r.val_loss, 4),
         number(r.best_val_loss, 4),
@@ -473,24 +501,25 @@ fn dashboard(
     terminal: &mut ratatui::DefaultTerminal,
     runs: &mut Runs,
     args: &WatchArgs,
+    mut problems: Vec<String>,
 ) -> Result<()> {
     let mut selected = TableState::default().with_selected(Some(0));
     let mut marked: Option<Vec<PathBuf>> = None;
     let interval = Duration::from_secs_f64(args.interval);
-    let mut next = std::time::Instant::now();
-    let mut error = None;
+    let mut next = std::time::Instant::now() + interval;
     loop {
         if std::time::Instant::now() >= next {
-            error = runs.refresh(&args.dirs).err().map(|e| format!("{e:#}"));
+            problems = runs.refresh(&args.dirs);
             next = std::time::Instant::now() + interval;
         }
-        let rows = runs.rows();
+        let rows = &runs.rows;
         let marked_dirs =
             marked.get_or_insert_with(|| rows.iter().map(|r| r.dir.clone()).collect());
         terminal.draw(|frame| {
-            let [top, bottom, help] = Layout::vertical([
+            let [top, bottom, note, help] = Layout::vertical([
                 Constraint::Length(rows.len() as u16 + 3),
                 Constraint::Min(8),
+                Constraint::Length(1),
                 Constraint::Length(1),
             ])
             .areas(frame.area());
@@ -542,6 +571,10 @@ fn dashboard(
             if !y_min.is_finite() {
                 (y_min, y_max) = (0.0, 1.0);
             }
+            // A flat curve (or one point) needs a range to be drawn in.
+            if y_max - y_min < 1e-6 {
+                (y_min, y_max) = (y_min - 0.5, y_max + 0.5);
+            }
             let datasets = curves
                 .iter()
                 .enumerate()
@@ -568,14 +601,25 @@ fn dashboard(
                         .labels([y_min, (y_min + y_max) / 2.0, y_max].map(|v| format!("{v:.3}"))),
                 );
             frame.render_widget(chart, bottom);
-            let status = match &error {
-                Some(e) => Line::styled(e.clone(), Style::default().fg(Color::Red)),
-                None => Line::from(format!(
-                    "↑/↓ select · space mark · a mark all · n mark none · q quit · every {}s",
-                    args.interval
-                )),
+            // A directory's problem, else why the selected run failed or stopped.
+            let red = Style::default().fg(Color::Red);
+            let line = match (
+                problems.first(),
+                selected.selected().and_then(|i| rows.get(i)),
+            ) {
+                (Some(problem), _) => Line::styled(problem.clone(), red),
+                (None, Some(r)) if r.state != "running" && r.detail.is_some() => Line::styled(
+                    format!("{}: {}", r.run, r.detail.as_deref().unwrap_or_default()),
+                    red,
+                ),
+                _ => Line::default(),
             };
-            frame.render_widget(Paragraph::new(status), help);
+            frame.render_widget(Paragraph::new(line), note);
+            let keys = format!(
+                "↑/↓ select · space mark · a mark all · n mark none · q quit · every {}s",
+                args.interval
+            );
+            frame.render_widget(Paragraph::new(keys), help);
         })?;
         let wait = next.saturating_duration_since(std::time::Instant::now());
         if event::poll(wait.min(Duration::from_millis(250)))?
@@ -585,6 +629,9 @@ fn dashboard(
             let dirs: Vec<PathBuf> = rows.iter().map(|r| r.dir.clone()).collect();
             match key.code {
                 KeyCode::Char('q') | KeyCode::Esc => return Ok(()),
+                KeyCode::Char('c') if key.modifiers.contains(KeyModifiers::CONTROL) => {
+                    return Ok(());
+                }
                 KeyCode::Down | KeyCode::Char('j') => selected.select_next(),
                 KeyCode::Up | KeyCode::Char('k') => selected.select_previous(),
                 KeyCode::Char(' ') => {

@@ -1106,7 +1106,7 @@ fn watch_follows_a_sweep(out: &Path, summary: &[Value]) {
         );
         assert_eq!(row["val_loss"], run["validation_loss"], "{row}");
         assert!(
-            row["best_val_loss"].as_f64() <= row["val_loss"].as_f64(),
+            row["best_val_loss"].as_f64().unwrap() <= row["val_loss"].as_f64().unwrap(),
             "{row}"
         );
         assert_eq!(row["eta_sec"], Value::Null);
@@ -1144,12 +1144,14 @@ fn watch_follows_a_sweep(out: &Path, summary: &[Value]) {
         (&Value::from("running"), &Value::from("on node-17")),
         "{live}"
     );
-    let log = std::fs::File::options()
-        .append(true)
-        .open(elsewhere.join("metrics.jsonl"))
-        .unwrap();
-    log.set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(3600))
-        .unwrap();
+    let hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    for file in ["metrics.jsonl", "run.lock"] {
+        let file = std::fs::File::options()
+            .append(true)
+            .open(elsewhere.join(file))
+            .unwrap();
+        file.set_modified(hour_ago).unwrap();
+    }
     let silent = row(json(&["watch", path(out), "--once", "--json"]));
     assert_eq!(silent["state"], "failed", "{silent}");
     assert!(

@@ -44,6 +44,7 @@ pub fn documents() -> Vec<Document> {
         .into_iter()
         .map(|play| Document {
             origin: format!("{EMBEDDED}:{}", play.title),
+            row: None,
             text: play.text,
         })
         .collect()

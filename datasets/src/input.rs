@@ -16,11 +16,14 @@ use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 
-/// One document of text and where it came from (`path` or `path:line`).
+/// One document of text and where it came from (`path` or `path:line`, and a Parquet file's
+/// row).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Document {
     pub origin: String,
     pub text: String,
+    /// The row of a Parquet file, numbered from 0.
+    pub row: Option<u64>,
 }
 
 /// Something left out, and why.
@@ -242,8 +245,9 @@ impl Documents {
             match text {
                 Ok(text) => {
                     return Some(Ok(Document {
-                        origin: format!("{file} row {row}"),
+                        origin: file,
                         text,
+                        row: Some(row),
                     }));
                 }
                 Err(reason) => self.skips.push(Skip {
@@ -298,6 +302,7 @@ impl Documents {
                     return Some(Ok(Document {
                         origin: format!("{}:{line}", path.display()),
                         text: s.clone(),
+                        row: None,
                     }));
                 }
                 Some(_) => self.skip(
@@ -332,6 +337,7 @@ impl Documents {
             Ok(text) => Ok(Some(Document {
                 origin: file.path.display().to_string(),
                 text,
+                row: None,
             })),
         }
     }

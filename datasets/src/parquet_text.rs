@@ -1,14 +1,15 @@
 //! Parquet input: one document per row, its text in a top-level string column.
 //!
-//! The file is memory-mapped; row groups are decoded (decompressed, dictionary-expanded) a few
-//! at a time in parallel, one per thread, and handed out in file order, so memory holds a few
-//! row groups' text, never the file. Whole-file problems (not Parquet, no such column, a column
+//! The file is memory-mapped; small row groups are decoded (decompressed, dictionary-expanded) a
+//! few at a time in parallel, one per thread, a large one a chunk of rows at a time, and rows are
+//! handed out in file order, so memory holds a bounded amount of text, never the file. Whole-file problems (not Parquet, no such column, a column
 //! that is not a string) are errors naming the file; a null, empty or non-UTF-8 value is a skip
 //! naming its row (numbered from 0, as pyarrow and pandas number them).
 
 use crate::error::{DataError, Result};
 use ::parquet::basic::{Compression, ConvertedType, LogicalType, Type as PhysicalType};
-use ::parquet::column::reader::ColumnReader;
+use ::parquet::column::reader::{ColumnReader, ColumnReaderImpl};
+use ::parquet::data_type::{ByteArray, ByteArrayType};
 use ::parquet::file::reader::{FileReader, SerializedFileReader};
 use bytes::Bytes;
 use rayon::prelude::*;
@@ -19,14 +20,14 @@ pub(crate) type RowText = std::result::Result<String, String>;
 
 /// The text column of one Parquet file, read row group by row group.
 pub(crate) struct ParquetText {
-    path: PathBuf,
-    reader: SerializedFileReader<Bytes>,
-    column: usize,
-    field: String,
-    /// Optional (nullable) columns carry a definition level per row: 1 for a value, 0 for null.
-    nullable: bool,
+    source: Source,
     next_group: usize,
     next_row: u64,
+    /// A large row group being read in chunks.
+    streaming: Option<Cursor>,
+    /// [`BUDGET`] and [`CHUNK_ROWS`] (smaller in tests).
+    budget: u64,
+    chunk_rows: usize,
 }
 
 impl ParquetText {
@@ -88,80 +89,171 @@ impl ParquetText {
             )));
         }
         Ok(Self {
-            path: path.to_path_buf(),
-            reader,
-            column,
-            field: field.to_string(),
-            nullable: descr.max_def_level() > 0,
+            source: Source {
+                path: path.to_path_buf(),
+                reader,
+                column,
+                field: field.to_string(),
+                nullable: descr.max_def_level() > 0,
+            },
             next_group: 0,
             next_row: 0,
+            streaming: None,
+            budget: BUDGET,
+            chunk_rows: CHUNK_ROWS,
         })
     }
 
     pub(crate) fn path(&self) -> &Path {
-        &self.path
+        &self.source.path
     }
 
-    /// The rows (number in the file, text or why not) of the next row groups, as many as there
-    /// are threads, decoded in parallel; `None` after the last.
+    /// The rows (number in the file, text or why not) that come next, `None` after the last:
+    /// small row groups a few at a time, decoded in parallel (at most [`BUDGET`] bytes of text
+    /// between them), a larger one [`CHUNK_ROWS`] rows at a time.
     pub(crate) fn next_rows(&mut self) -> Option<Result<Vec<(u64, RowText)>>> {
-        let total = self.reader.num_row_groups();
-        if self.next_group == total {
-            return None;
-        }
-        let end = total.min(self.next_group + rayon::current_num_threads().max(1));
-        let groups = (self.next_group..end)
-            .into_par_iter()
-            .map(|group| self.row_group(group))
-            .collect::<Result<Vec<_>>>();
-        self.next_group = end;
-        let groups = match groups {
-            Ok(groups) => groups,
+        let result = match self.streaming.take() {
+            Some(cursor) => self.stream(cursor),
+            None if self.next_group == self.source.reader.num_row_groups() => return None,
+            None => self.next_groups(),
+        };
+        let texts = match result {
+            Ok(texts) => texts,
             Err(e) => {
-                self.next_group = total;
+                self.next_group = self.source.reader.num_row_groups();
+                self.streaming = None;
                 return Some(Err(e));
             }
         };
-        let mut rows = Vec::with_capacity(groups.iter().map(Vec::len).sum());
-        for text in groups.into_iter().flatten() {
-            rows.push((self.next_row, text));
-            self.next_row += 1;
-        }
-        Some(Ok(rows))
+        let first = self.next_row;
+        self.next_row += texts.len() as u64;
+        Some(Ok((first..).zip(texts).collect()))
     }
 
-    /// One row group's values of the column, nulls included.
-    fn row_group(&self, group: usize) -> Result<Vec<RowText>> {
-        let bad = |e: ::parquet::errors::ParquetError| DataError::Input {
-            path: self.path.clone(),
-            reason: format!("cannot read row group {group}: {e}"),
+    /// The next chunk of a large row group's rows.
+    fn stream(&mut self, mut cursor: Cursor) -> Result<Vec<RowText>> {
+        let source = &self.source;
+        let texts = source.guarded(cursor.group, || source.read(&mut cursor, self.chunk_rows))?;
+        if cursor.read < cursor.rows {
+            self.streaming = Some(cursor);
+        }
+        Ok(texts)
+    }
+
+    /// The next row groups: one large one begun, or up to one small one per thread, whole.
+    fn next_groups(&mut self) -> Result<Vec<RowText>> {
+        let threads = rayon::current_num_threads().max(1);
+        let small = self.budget / threads as u64;
+        let size = |group: usize| {
+            let chunk = (self.source.reader.metadata().row_group(group)).column(self.source.column);
+            u64::try_from(chunk.uncompressed_size()).unwrap_or(u64::MAX)
         };
-        let reader = self.reader.get_row_group(group).map_err(bad)?;
-        let rows = usize::try_from(reader.metadata().num_rows()).unwrap_or(0);
-        let ColumnReader::ByteArrayColumnReader(mut column): ColumnReader =
-            reader.get_column_reader(self.column).map_err(bad)?
+        let first = self.next_group;
+        if size(first) > small {
+            self.next_group += 1;
+            let cursor = self.source.guarded(first, || self.source.cursor(first))?;
+            return self.stream(cursor);
+        }
+        let total = self.source.reader.num_row_groups();
+        let mut end = first + 1;
+        while end < total && end - first < threads && size(end) <= small {
+            end += 1;
+        }
+        self.next_group = end;
+        let source = &self.source;
+        let groups = source.guarded(first, || {
+            (first..end)
+                .into_par_iter()
+                .map(|group| {
+                    let mut cursor = source.cursor(group)?;
+                    let rows = cursor.rows;
+                    source.read(&mut cursor, rows)
+                })
+                .collect::<Result<Vec<_>>>()
+        })?;
+        Ok(groups.into_iter().flatten().collect())
+    }
+}
+
+/// The file and where its text is: what the threads decoding row groups share.
+struct Source {
+    path: PathBuf,
+    reader: SerializedFileReader<Bytes>,
+    column: usize,
+    field: String,
+    /// Optional (nullable) columns carry a definition level per row: 1 for a value, 0 for null.
+    nullable: bool,
+}
+
+impl Source {
+    /// `work` on row groups from `group` on, a panic in the Parquet reader (a corrupt file it
+    /// does not catch) turned into an error naming the file.
+    fn guarded<T>(&self, group: usize, work: impl FnOnce() -> Result<T>) -> Result<T> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)).unwrap_or_else(|_| {
+            Err(DataError::Input {
+                path: self.path.clone(),
+                reason: format!("the Parquet reader failed on row group {group} (a corrupt file?)"),
+            })
+        })
+    }
+
+    fn bad(&self, group: usize, reason: impl std::fmt::Display) -> DataError {
+        DataError::Input {
+            path: self.path.clone(),
+            reason: format!("cannot read row group {group}: {reason}"),
+        }
+    }
+
+    /// The column of row group `group`, before its first row.
+    fn cursor(&self, group: usize) -> Result<Cursor> {
+        let reader = self
+            .reader
+            .get_row_group(group)
+            .map_err(|e| self.bad(group, e))?;
+        let rows = reader.metadata().num_rows();
+        let rows = usize::try_from(rows)
+            .map_err(|_| self.bad(group, format!("it says it holds {rows} rows")))?;
+        let ColumnReader::ByteArrayColumnReader(column) = reader
+            .get_column_reader(self.column)
+            .map_err(|e| self.bad(group, e))?
         else {
             unreachable!("the column was checked to be BYTE_ARRAY when the file was opened")
         };
-        let (mut levels, mut values) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
-        let mut read = 0;
-        while read < rows {
-            let (records, _, _) = column
-                .read_records(rows - read, Some(&mut levels), None, &mut values)
-                .map_err(bad)?;
+        Ok(Cursor {
+            group,
+            column,
+            rows,
+            read: 0,
+        })
+    }
+
+    /// Up to `max` more rows of the cursor's row group, nulls included.
+    fn read(&self, cursor: &mut Cursor, max: usize) -> Result<Vec<RowText>> {
+        let want = max.min(cursor.rows - cursor.read);
+        let capacity = want.min(CHUNK_ROWS);
+        let (mut levels, mut values) = (Vec::with_capacity(capacity), Vec::with_capacity(capacity));
+        let mut got = 0;
+        while got < want {
+            let (records, _, _) = cursor
+                .column
+                .read_records(want - got, Some(&mut levels), None, &mut values)
+                .map_err(|e| self.bad(cursor.group, e))?;
             if records == 0 {
-                return Err(DataError::Input {
-                    path: self.path.clone(),
-                    reason: format!(
-                        "row group {group} says it holds {rows} rows, its `{}` column ends after {read}",
-                        self.field
+                return Err(self.bad(
+                    cursor.group,
+                    format!(
+                        "it says it holds {} rows, its `{}` column ends after {}",
+                        cursor.rows,
+                        self.field,
+                        cursor.read + got
                     ),
-                });
+                ));
             }
-            read += records;
+            got += records;
         }
+        cursor.read += got;
         let mut values = values.into_iter();
-        let text = |value: Option<::parquet::data_type::ByteArray>| match value {
+        let text = |value: Option<ByteArray>| match value {
             None => Err(format!("null `{}`", self.field)),
             Some(value) => match String::from_utf8(value.data().to_vec()) {
                 Err(_) => Err(format!("invalid UTF-8 in `{}`", self.field)),
@@ -175,7 +267,50 @@ impl ParquetText {
                 .map(|&level| text(if level > 0 { values.next() } else { None }))
                 .collect()
         } else {
-            (0..rows).map(|_| text(values.next())).collect()
+            (0..got).map(|_| text(values.next())).collect()
         })
+    }
+}
+
+/// Text bytes (uncompressed column chunks) decoded at once across threads; a row group larger
+/// than its thread's share is read [`CHUNK_ROWS`] rows at a time instead.
+const BUDGET: u64 = 256 << 20;
+/// Rows read at a time from a large row group.
+const CHUNK_ROWS: usize = 4096;
+
+/// A row group's text column being read.
+struct Cursor {
+    group: usize,
+    column: ColumnReaderImpl<ByteArrayType>,
+    rows: usize,
+    read: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(budget: u64, chunk_rows: usize) -> (Vec<(u64, RowText)>, usize) {
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parquet/zstd-v2.parquet");
+        let mut table = ParquetText::open(&path, "text").unwrap();
+        (table.budget, table.chunk_rows) = (budget, chunk_rows);
+        let (mut all, mut calls) = (Vec::new(), 0);
+        while let Some(rows) = table.next_rows() {
+            all.extend(rows.unwrap());
+            calls += 1;
+        }
+        (all, calls)
+    }
+
+    #[test]
+    fn large_row_groups_stream_in_chunks_and_small_ones_decode_together_alike() {
+        // Nine rows in row groups of 3, 3 and 3.
+        let (whole, calls) = rows(BUDGET, CHUNK_ROWS);
+        assert_eq!(whole.len(), 9);
+        assert_eq!(calls, 3usize.div_ceil(rayon::current_num_threads().min(3)));
+        // Every row group over budget: 2 rows, then 1, from each.
+        let (streamed, calls) = rows(0, 2);
+        assert_eq!((streamed, calls), (whole, 6));
     }
 }

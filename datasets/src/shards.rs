@@ -344,7 +344,7 @@ pub fn prepare(
                 skipped.push(Skip {
                     file: doc.origin,
                     line: None,
-                    row: None,
+                    row: doc.row,
                     reason: "no tokens".into(),
                 });
                 continue;

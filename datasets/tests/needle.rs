@@ -27,6 +27,7 @@ fn windows(dir: &std::path::Path, seq_len: usize) -> TokenWindows {
         .take(2)
         .map(|p| Document {
             origin: p.title.clone(),
+            row: None,
             text: p.text.clone(),
         })
         .collect();

@@ -323,6 +323,7 @@ mod tests {
         options.validation_every = 0;
         let docs = vec![Document {
             origin: "play".into(),
+            row: None,
             text,
         }];
         prepare(InMemory::new(docs), &tokenizer, &options, Vec::new()).unwrap();

@@ -12,11 +12,13 @@ pub const LOCK: &str = "run.lock";
 
 /// The lock, released when dropped (or when the process ends).
 pub struct RunLock {
-    _file: Option<File>,
+    file: File,
+    path: std::path::PathBuf,
 }
 
 impl RunLock {
-    /// Takes the lock of run directory `dir` (created if missing), or says who holds it.
+    /// Takes the lock of run directory `dir` (created if missing), or says who holds it. Its
+    /// file keeps naming the last process that [claimed](Self::claim) the run.
     pub fn take(dir: &Path) -> Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let path = dir.join(LOCK);
@@ -38,7 +40,7 @@ impl RunLock {
                     "warning: {}: this file system cannot lock files ({error}); nothing keeps a second `train` out of this run",
                     path.display()
                 );
-                return Ok(Self { _file: None });
+                return Ok(Self { file, path });
             }
             if error.kind() != std::io::ErrorKind::WouldBlock {
                 bail!("locking {}: {error}", path.display());
@@ -55,11 +57,18 @@ impl RunLock {
                 path.display()
             );
         }
-        file.set_len(0)
-            .and_then(|()| file.rewind())
-            .and_then(|()| writeln!(file, "{} {}", std::process::id(), host()))
-            .with_context(|| format!("writing {}", path.display()))?;
-        Ok(Self { _file: Some(file) })
+        Ok(Self { file, path })
+    }
+
+    /// Writes `PID HOST` into the lock file: this process now trains the run (called once the
+    /// run directory is its own, so a refused `train` leaves the last trainer named).
+    pub fn claim(&mut self) -> Result<()> {
+        let text = format!("{} {}\n", std::process::id(), host());
+        self.file
+            .rewind()
+            .and_then(|()| self.file.write_all(text.as_bytes()))
+            .and_then(|()| self.file.set_len(text.len() as u64))
+            .with_context(|| format!("writing {}", self.path.display()))
     }
 }
 
@@ -76,10 +85,11 @@ impl Holder {
         Self::parse(&std::fs::read_to_string(dir.join(LOCK)).ok()?)
     }
 
+    /// `PID HOST`, or a lone `PID` as runs wrote before hosts were recorded (this host's).
     fn parse(text: &str) -> Option<Self> {
         let mut words = text.split_whitespace();
         let pid = words.next()?.parse().ok()?;
-        let host = words.next().unwrap_or("an unknown host").to_string();
+        let host = words.next().map_or_else(host, str::to_string);
         Some(Self { pid, host })
     }
 
@@ -90,20 +100,39 @@ impl Holder {
         if self.host != host() {
             return None;
         }
-        let inode = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(dir.join(LOCK)).ok()?);
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(dir.join(LOCK)).ok()?;
+        let device = format!(
+            "{:02x}:{:02x}",
+            libc::major(meta.dev()),
+            libc::minor(meta.dev())
+        );
+        let (inode, pid) = (meta.ino().to_string(), self.pid.to_string());
         Some(match std::fs::read_to_string("/proc/locks") {
+            // `N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE START END`; waiters have `->` as their
+            // second word. The inode must match, and the device or (where a stacked file system
+            // shows another device) the process that claimed the run.
             Ok(table) => table.lines().any(|line| {
                 let words: Vec<&str> = line.split_whitespace().collect();
-                // `N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE START END`; waiters have `->`.
-                words.get(1) == Some(&"FLOCK")
-                    && words.get(4) == Some(&self.pid.to_string().as_str())
-                    && words.get(5).and_then(|w| w.rsplit(':').next())
-                        == Some(inode.to_string().as_str())
+                let Some((dev, ino)) = words.get(5).and_then(|w| w.rsplit_once(':')) else {
+                    return false;
+                };
+                words[1] == "FLOCK" && ino == inode && (dev == device || words[4] == pid)
             }),
-            // SAFETY: signal 0 only asks whether the process exists.
-            Err(_) => unsafe { libc::kill(self.pid as libc::pid_t, 0) == 0 },
+            Err(_) => alive(self.pid),
         })
     }
+}
+
+/// Whether process `pid` exists (one of another user's too).
+fn alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: signal 0 only asks whether the process exists.
+    pid > 0
+        && (unsafe { libc::kill(pid, 0) } == 0
+            || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
 }
 
 /// This machine's host name.
@@ -125,7 +154,8 @@ mod tests {
     fn a_second_writer_is_refused_until_the_first_lets_go() {
         let dir = tempfile::tempdir().unwrap();
         let run = dir.path().join("run");
-        let first = RunLock::take(&run).unwrap();
+        let mut first = RunLock::take(&run).unwrap();
+        first.claim().unwrap();
         let err = RunLock::take(&run).err().unwrap().to_string();
         let pid = std::process::id();
         assert!(
@@ -144,5 +174,8 @@ mod tests {
             host: "another-host".into(),
         };
         assert_eq!(elsewhere.holds(&run), None);
+        // Before hosts were recorded: a lone process id is this host's.
+        assert_eq!(Holder::parse("123\n").map(|h| h.host), Some(host()));
+        assert!(alive(pid) && !alive(0) && !alive(u32::MAX));
     }
 }

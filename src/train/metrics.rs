@@ -152,7 +152,7 @@ impl Numeric for StatMetric {
 }
 
 /// The dashboard's "Step" line: the optimizer step of the run, which Burn's dashboard does not
-/// show (its "epoch" is a checkpoint interval, its iterations are micro-batches).
+/// show (its "epoch" is a checkpoint interval, its iterations that interval's steps).
 #[derive(Clone)]
 pub struct StepMetric {
     total: usize,

@@ -250,10 +250,11 @@ pub fn optimizer(o: &OptimizerSection) -> Result<burn::optim::ModuleOptimizer> {
 }
 
 pub fn run(args: &TrainArgs) -> Result<Outcome> {
-    let mut written = None;
-    let result = train(args, &mut written);
-    // How the run ended, for `diffzoo watch` (a killed process leaves nothing: watch says so).
-    if let Some(dir) = written {
+    let mut claimed = None;
+    let result = train(args, &mut claimed);
+    // How the run ended, for `diffzoo watch` (a killed process leaves nothing: watch says so),
+    // written while the run is still locked.
+    if let Some((dir, lock)) = claimed {
         let end = match &result {
             Ok(Outcome::Done) => RunEnd::new("finished", None),
             Ok(Outcome::Stopped) => RunEnd::new("stopped", None),
@@ -262,12 +263,13 @@ pub fn run(args: &TrainArgs) -> Result<Outcome> {
         if let Err(e) = end.write(&dir) {
             eprintln!("warning: {e:#}");
         }
+        drop(lock);
     }
     result
 }
 
-/// Trains; `written` is set once the run directory is being written.
-fn train(args: &TrainArgs, written: &mut Option<PathBuf>) -> Result<Outcome> {
+/// Trains; `claimed` holds the run directory and its lock once the directory is this run's.
+fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Result<Outcome> {
     let resolved = recipe::resolve(&args.recipe, &args.overrides)?;
     let recipe = &resolved.recipe;
     let dashboard = !args.no_dashboard && std::io::stdout().is_terminal();
@@ -369,10 +371,11 @@ fn train(args: &TrainArgs, written: &mut Option<PathBuf>) -> Result<Outcome> {
             run::RECIPE
         );
     }
-    let _lock = lock::RunLock::take(&dir)?;
+    let mut lock = lock::RunLock::take(&dir)?;
     let resume_from = prepare_run_dir(&dir, recipe, &tokenizer, args.resume)?;
+    lock.claim()?;
     RunEnd::clear(&dir)?;
-    *written = Some(dir.clone());
+    *claimed = Some((dir.clone(), lock));
     let total = recipe.total_steps();
     // The epochs left end at multiples of the interval (a stopped run's checkpoint may not).
     let intervals = Intervals {

@@ -2,7 +2,8 @@
 
 One small table (an int64 `id` and a nullable string `text` holding unicode, whitespace runs, a
 null, a blank value and bytes that are not UTF-8) in row groups of 3 rows, written with every codec
-the crate is built with and with both data page versions; the same rows as `large_string`, and
+the crate is built with and with both data page versions; the same rows as `large_string`, those
+but the null in a required (non-nullable) column, and
 files the reader must refuse (a binary, an int64 and a struct `text`; a codec not built in).
 `expected.json` records, per readable file, each row's text or the reason it is skipped, and per
 refused file the words its error must contain.
@@ -72,6 +73,17 @@ def main(out):
             expected["read"][name] = expected_rows()
     pq.write_table(table(pa.large_string()), out / "large-string.parquet", row_group_size=4)
     expected["read"]["large-string.parquet"] = expected_rows()
+
+    # A required (non-nullable) column: no definition levels.
+    present = [t for t in TEXTS if t is not None]
+    texts = pa.array([t if isinstance(t, bytes) else t.encode() for t in present], pa.binary())
+    required = pa.table(
+        [texts.view(pa.string())], schema=pa.schema([pa.field("text", pa.string(), nullable=False)])
+    )
+    pq.write_table(required, out / "required.parquet", row_group_size=5)
+    expected["read"]["required.parquet"] = [
+        {**row, "row": i} for i, row in enumerate(r for r in expected_rows() if r.get("skip") != "null `text`")
+    ]
 
     pq.write_table(table(pa.binary()), out / "binary.parquet")
     expected["refused"]["binary.parquet"] = ["column `text` is binary"]
