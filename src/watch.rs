@@ -12,6 +12,7 @@ use crate::recipe::Recipe;
 use crate::run::{self, RunEnd};
 use crate::train::checkpoint;
 use crate::train::lock::{self, Holder};
+use crate::train::step::clock;
 use anyhow::{Result, bail};
 use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers};
 use ratatui::layout::{Constraint, Layout};
@@ -398,17 +399,6 @@ impl Pace {
     }
 }
 
-/// `seconds` as `m:ss`, or `h:mm:ss` from an hour on.
-fn clock(seconds: f64) -> String {
-    let whole = seconds.max(0.0).round() as u64;
-    let (h, m, s) = (whole / 3600, whole / 60 % 60, whole % 60);
-    if h > 0 {
-        format!("{h}:{m:02}:{s:02}")
-    } else {
-        format!("{m}:{s:02}")
-    }
-}
-
 const HEADER: [&str; 8] = [
     "run", "state", "step", "tokens", "val loss", "best val", "tok/s", "ETA",
 ];
@@ -730,6 +720,5 @@ mod tests {
         assert_eq!(tokens(12_345), "12.3K");
         assert_eq!(tokens(1_234_567), "1.23M");
         assert_eq!(tokens(3_000_000_000), "3.00B");
-        assert_eq!(clock(3725.0), "1:02:05");
     }
 }

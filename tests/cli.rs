@@ -623,44 +623,6 @@ fn prepared_shards_train_a_model() {
     );
 }
 
-/// A Parquet file of `texts` (a nullable string column `text` beside an `id`), written by the
-/// `parquet` crate, 8 rows to a row group.
-fn write_parquet(path: &Path, texts: &[Option<String>]) {
-    use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
-    use parquet::file::properties::WriterProperties;
-    use parquet::file::writer::SerializedFileWriter;
-    use std::sync::Arc;
-    let schema = parquet::schema::parser::parse_message_type(
-        "message doc { required int64 id; optional binary text (STRING); }",
-    )
-    .unwrap();
-    let props = WriterProperties::builder()
-        .set_compression(parquet::basic::Compression::SNAPPY)
-        .build();
-    let file = std::fs::File::create(path).unwrap();
-    let mut writer = SerializedFileWriter::new(file, Arc::new(schema), Arc::new(props)).unwrap();
-    for (g, group) in texts.chunks(8).enumerate() {
-        let mut row_group = writer.next_row_group().unwrap();
-        let ids: Vec<i64> = (0..group.len()).map(|i| (g * 8 + i) as i64).collect();
-        let mut column = row_group.next_column().unwrap().unwrap();
-        column
-            .typed::<Int64Type>()
-            .write_batch(&ids, None, None)
-            .unwrap();
-        column.close().unwrap();
-        let values: Vec<ByteArray> = group.iter().flatten().map(|t| t.as_str().into()).collect();
-        let levels: Vec<i16> = group.iter().map(|t| i16::from(t.is_some())).collect();
-        let mut column = row_group.next_column().unwrap().unwrap();
-        column
-            .typed::<ByteArrayType>()
-            .write_batch(&values, Some(&levels), None)
-            .unwrap();
-        column.close().unwrap();
-        row_group.close().unwrap();
-    }
-    writer.close().unwrap();
-}
-
 /// A folder of Parquet files as the hub serves them, a tiktoken rank file as OpenAI publishes
 /// them: two commands, prepare and train.
 #[test]
@@ -701,10 +663,9 @@ fn a_parquet_folder_trains_in_two_commands_with_a_tiktoken_vocabulary() {
                 })
             })
             .collect();
-        write_parquet(
-            &hub.join(format!("train-0000{file}-of-00002.parquet")),
-            &texts,
-        );
+        let texts: Vec<Option<&str>> = texts.iter().map(Option::as_deref).collect();
+        let path = hub.join(format!("train-0000{file}-of-00002.parquet"));
+        diffzoo_datasets::parquet_text::write(&path, &texts, 8).unwrap();
     }
     let ranks = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("datasets/tests/fixtures/tiktoken/cl100k_base.tiktoken");

@@ -10,7 +10,7 @@ pub mod corpus;
 pub mod error;
 pub mod input;
 pub mod needle;
-mod parquet_text;
+pub mod parquet_text;
 pub mod parts;
 pub mod rng;
 pub mod shards;

@@ -272,6 +272,53 @@ impl Source {
     }
 }
 
+/// Writes `texts` as a Parquet file of an int64 `id` (the row number) and a nullable string
+/// `text` (snappy-compressed, `rows_per_group` rows to a row group): a file like the hub's, for
+/// tests and examples.
+pub fn write(path: &Path, texts: &[Option<&str>], rows_per_group: usize) -> Result<()> {
+    use ::parquet::data_type::Int64Type;
+    use ::parquet::file::properties::WriterProperties;
+    use ::parquet::file::writer::SerializedFileWriter;
+    let bad = |e: ::parquet::errors::ParquetError| DataError::Input {
+        path: path.to_path_buf(),
+        reason: format!("cannot write: {e}"),
+    };
+    let schema = ::parquet::schema::parser::parse_message_type(
+        "message doc { required int64 id; optional binary text (STRING); }",
+    )
+    .expect("the schema parses");
+    let props = WriterProperties::builder()
+        .set_compression(::parquet::basic::Compression::SNAPPY)
+        .build();
+    let file = std::fs::File::create(path).map_err(DataError::io(path))?;
+    let mut writer = SerializedFileWriter::new(file, schema.into(), props.into()).map_err(bad)?;
+    for (g, group) in texts.chunks(rows_per_group.max(1)).enumerate() {
+        let mut row_group = writer.next_row_group().map_err(bad)?;
+        let first = (g * rows_per_group.max(1)) as i64;
+        let ids: Vec<i64> = (first..).take(group.len()).collect();
+        let values: Vec<ByteArray> = group.iter().flatten().map(|&t| t.into()).collect();
+        let levels: Vec<i16> = group.iter().map(|t| i16::from(t.is_some())).collect();
+        let mut column = row_group.next_column().map_err(bad)?.expect("an id column");
+        column
+            .typed::<Int64Type>()
+            .write_batch(&ids, None, None)
+            .map_err(bad)?;
+        column.close().map_err(bad)?;
+        let mut column = row_group
+            .next_column()
+            .map_err(bad)?
+            .expect("a text column");
+        column
+            .typed::<ByteArrayType>()
+            .write_batch(&values, Some(&levels), None)
+            .map_err(bad)?;
+        column.close().map_err(bad)?;
+        row_group.close().map_err(bad)?;
+    }
+    writer.close().map_err(bad)?;
+    Ok(())
+}
+
 /// Text bytes (uncompressed column chunks) decoded at once across threads; a row group larger
 /// than its thread's share is read [`CHUNK_ROWS`] rows at a time instead.
 const BUDGET: u64 = 256 << 20;

@@ -3,12 +3,12 @@
 
 use burn::data::dataset::Dataset;
 use diffzoo_datasets::corpus::{EMBEDDED_VALIDATION_EVERY, embedded_shards, embedded_tokenizer};
-use diffzoo_datasets::parts;
 use diffzoo_datasets::shards::{SplitRule, prepare};
 use diffzoo_datasets::{
     DataError, DocumentSource, Documents, PrepareOptions, SampleOrder, Shards, Split,
     TextTokenizer, TokenDtype, TokenWindows, WindowSlice, corpus, input,
 };
+use diffzoo_datasets::{parquet_text, parts};
 use flate2::write::GzEncoder;
 use std::collections::HashSet;
 use std::io::Write;
@@ -44,46 +44,6 @@ fn prepare_paths(
     prepare(Documents::new(files, "text"), tokenizer(), options, skips)
 }
 
-/// A Parquet file of one nullable string column `text`, written by the `parquet` crate itself,
-/// `rows_per_group` rows to a row group.
-fn write_parquet(path: &Path, texts: &[Option<&str>], rows_per_group: usize) {
-    use parquet::data_type::{ByteArray, ByteArrayType};
-    use parquet::file::properties::WriterProperties;
-    use parquet::file::writer::SerializedFileWriter;
-    let schema = parquet::schema::parser::parse_message_type(
-        "message doc { required int64 id; optional binary text (STRING); }",
-    )
-    .unwrap();
-    let props = WriterProperties::builder()
-        .set_compression(parquet::basic::Compression::SNAPPY)
-        .build();
-    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-    let file = std::fs::File::create(path).unwrap();
-    let mut writer = SerializedFileWriter::new(file, Arc::new(schema), Arc::new(props)).unwrap();
-    for (g, group) in texts.chunks(rows_per_group).enumerate() {
-        let mut row_group = writer.next_row_group().unwrap();
-        let ids: Vec<i64> = (0..group.len())
-            .map(|i| (g * rows_per_group + i) as i64)
-            .collect();
-        let mut column = row_group.next_column().unwrap().unwrap();
-        column
-            .typed::<parquet::data_type::Int64Type>()
-            .write_batch(&ids, None, None)
-            .unwrap();
-        column.close().unwrap();
-        let values: Vec<ByteArray> = group.iter().flatten().map(|&t| t.into()).collect();
-        let levels: Vec<i16> = group.iter().map(|t| i16::from(t.is_some())).collect();
-        let mut column = row_group.next_column().unwrap().unwrap();
-        column
-            .typed::<ByteArrayType>()
-            .write_batch(&values, Some(&levels), None)
-            .unwrap();
-        column.close().unwrap();
-        row_group.close().unwrap();
-    }
-    writer.close().unwrap();
-}
-
 /// A directory of mixed inputs: txt, jsonl, their gz, Parquet, a nested directory and an
 /// unsupported file.
 fn mixed_inputs(root: &Path) -> Vec<&'static str> {
@@ -106,7 +66,7 @@ fn mixed_inputs(root: &Path) -> Vec<&'static str> {
         &gzip(format!("{{\"text\": \"{}\"}}\n", docs[2]).as_bytes()),
     );
     write(&root.join("d.txt.gz"), &gzip(docs[3].as_bytes()));
-    write_parquet(&root.join("e.parquet"), &[Some(docs[4]), Some(docs[5])], 1);
+    parquet_text::write(&root.join("e.parquet"), &[Some(docs[4]), Some(docs[5])], 1).unwrap();
     write(&root.join("sub/f.txt"), docs[6].as_bytes());
     write(&root.join("notes.md"), b"not read");
     docs.to_vec()
@@ -367,8 +327,9 @@ fn parquet_rows_shard_exactly_as_the_same_text_in_json_lines() {
         .collect();
     let borrowed: Vec<Option<&str>> = texts.iter().map(Option::as_deref).collect();
     // Two files, the second with a row group per row: more than threads on any machine.
-    write_parquet(&tmp.path().join("parquet/a.parquet"), &borrowed[..50], 50);
-    write_parquet(&tmp.path().join("parquet/b.parquet"), &borrowed[50..], 1);
+    std::fs::create_dir_all(tmp.path().join("parquet")).unwrap();
+    parquet_text::write(&tmp.path().join("parquet/a.parquet"), &borrowed[..50], 50).unwrap();
+    parquet_text::write(&tmp.path().join("parquet/b.parquet"), &borrowed[50..], 1).unwrap();
     let lines: String = texts
         .iter()
         .flatten()

@@ -406,7 +406,7 @@ fn eta(done: usize, left: usize, seconds: f64) -> Option<f64> {
 }
 
 /// `seconds` as `m:ss`, or `h:mm:ss` from an hour on.
-fn clock(seconds: f64) -> String {
+pub fn clock(seconds: f64) -> String {
     let whole = seconds.max(0.0).round() as u64;
     let (h, m, s) = (whole / 3600, whole / 60 % 60, whole % 60);
     if h > 0 {
