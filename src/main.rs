@@ -13,6 +13,7 @@ mod recipe;
 mod run;
 mod scaling;
 mod slurm;
+mod stats;
 mod sweep;
 mod train;
 mod watch;

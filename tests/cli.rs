@@ -350,6 +350,8 @@ fn train_checkpoint_resume_generate_and_evaluate() {
     let loss = ppl["loss"].as_f64().unwrap();
     assert!(loss.is_finite() && loss < (512f64).ln(), "{loss}");
     assert!((ppl["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-6 * loss.exp());
+    let [lo, hi] = [0, 1].map(|i| ppl["loss_ci95"][i].as_f64().unwrap());
+    assert!(lo < loss && loss < hi && hi - lo < 1.0, "{ppl}");
     let line = ok(&["eval", "ppl", "--run", path(&whole)]);
     assert!(
         line.contains("the whole validation split; training's log scores at most its first"),
@@ -1477,6 +1479,27 @@ fn every_analysis_runs_on_micro_runs_and_compare_writes_a_report() {
         "2",
     ]);
     let md = std::fs::read_to_string(report.join("report.md")).unwrap();
+    // The loss difference, paired over the 2 × 4 windows both models scored.
+    let results = serde_json::from_str::<Value>(
+        &std::fs::read_to_string(report.join("results.json")).unwrap(),
+    )
+    .unwrap();
+    let loss = |i: usize| results[i]["ppl"]["loss"].as_f64().unwrap();
+    let line = md
+        .lines()
+        .find(|l| l.starts_with("Validation loss diff − base: "))
+        .unwrap_or_else(|| panic!("no loss difference:\n{md}"));
+    let shown: f64 = line["Validation loss diff − base: ".len()..]
+        .split(' ')
+        .next()
+        .and_then(|d| d.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(
+        (shown - (loss(0) - loss(1))).abs() < 1.5e-4
+            && line.contains(" (95% interval ")
+            && line.contains("paired over the same 8 evaluation windows"),
+        "{line}"
+    );
     for section in [
         "# diff vs base",
         "## NLL by position",

@@ -10,6 +10,7 @@ use super::ppl::{self, Perplexity};
 use super::quant::{self, Quantization};
 use super::{Loaded, Values, list};
 use crate::plot;
+use crate::stats;
 use anyhow::{Context, Result};
 use diffzoo_models::AttentionKind;
 use serde::Serialize;
@@ -141,6 +142,7 @@ pub fn report(runs: &[RunReport; 2], command: &str) -> String {
     row(&mut s, "perplexity", &|r| {
         format!("{:.2}", r.ppl.perplexity)
     });
+    let _ = writeln!(s, "\n{}", loss_difference(a, b));
 
     let _ = writeln!(s, "\n## NLL by position (Fig. 4)\n");
     let _ = writeln!(
@@ -309,6 +311,35 @@ pub fn report(runs: &[RunReport; 2], command: &str) -> String {
         }
     }
     s
+}
+
+/// The validation-loss difference A − B with its 95% interval over evaluation windows: paired
+/// when both runs scored the same windows (the same data, tokenizer and window count), else
+/// Welch's over the two sets.
+pub fn loss_difference(a: &RunReport, b: &RunReport) -> String {
+    let (pa, pb) = (&a.ppl, &b.ppl);
+    let same = pa.data == pb.data && pa.windows == pb.windows && pa.tokens == pb.tokens;
+    let (difference, windows) = if same {
+        (
+            stats::paired(&pa.per_window, &pb.per_window),
+            format!("paired over the same {} evaluation windows", pa.windows),
+        )
+    } else {
+        (
+            stats::welch(&pa.per_window, &pb.per_window),
+            format!(
+                "Welch's, over {} and {} evaluation windows",
+                pa.windows, pb.windows
+            ),
+        )
+    };
+    format!(
+        "Validation loss {} − {}: {} ({windows}). The interval holds evaluation noise only: \
+         another training seed moves each run's loss too, which one run per side cannot show.",
+        a.name,
+        b.name,
+        difference.describe(4),
+    )
 }
 
 pub fn run(args: &CompareArgs) -> Result<()> {

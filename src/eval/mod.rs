@@ -22,7 +22,6 @@ pub mod position;
 pub mod ppl;
 pub mod quant;
 
-use crate::train::step::lm_loss;
 use crate::{device, recipe::Recipe, run};
 use anyhow::{Result, bail};
 use burn::data::dataloader::batcher::Batcher;
@@ -112,33 +111,45 @@ impl Loaded {
         Ok(windows)
     }
 
-    /// Mean validation loss of `model` over the first `batches` micro-batches (all when
-    /// `None`): `(loss, tokens, windows)`.
+    /// Validation loss of `model` over the first `batches` micro-batches (all when `None`):
+    /// `(mean loss, tokens, each window's mean loss)` — the windows for intervals and paired
+    /// comparisons (the forward pass in the device's dtype, the log-softmax in f32).
     pub fn validation_loss(
         &self,
         model: &Model,
         windows: &TokenWindows,
         batches: Option<usize>,
-    ) -> Result<(f64, u64, u64)> {
+    ) -> Result<(f64, u64, Vec<f64>)> {
         if batches == Some(0) {
             bail!("--max-batches must be positive");
         }
         let micro = self.recipe.training.micro_batch as u64;
         let all = windows.len().div_ceil(micro);
         let batches = batches.map_or(all, |m| all.min(m as u64));
-        let (mut sum, mut tokens, mut count) = (0.0, 0u64, 0u64);
+        let (mut per_window, mut tokens) = (Vec::new(), 0u64);
         for b in 0..batches {
             let items: Vec<Vec<u32>> = (b * micro..((b + 1) * micro).min(windows.len()))
                 .map(|i| windows.window(i))
                 .collect();
-            count += items.len() as u64;
             let batch = LmBatcher.batch(items, &self.device);
             let [n, s] = batch.targets.dims();
-            let loss = lm_loss(model, &batch).into_scalar::<f64>();
-            sum += loss * (n * s) as f64;
+            let nll = target_log_probs(model.forward(batch.inputs), batch.targets)
+                .neg()
+                .mean_dim(1)
+                .reshape([n]);
+            per_window.extend(
+                nll.into_data()
+                    .convert::<f32>()
+                    .try_into_vec::<f32>()
+                    .expect("f32 values")
+                    .into_iter()
+                    .map(f64::from),
+            );
             tokens += (n * s) as u64;
         }
-        Ok((sum / tokens as f64, tokens, count))
+        // Every window has the same length: the mean over tokens is the mean over windows.
+        let loss = per_window.iter().sum::<f64>() / per_window.len() as f64;
+        Ok((loss, tokens, per_window))
     }
 }
 

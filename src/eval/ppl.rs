@@ -3,7 +3,7 @@
 //! without any tokenizer).
 
 use super::{Common, Loaded, emit, id_tensor, target_log_probs};
-use crate::{device, run};
+use crate::{device, run, stats};
 use anyhow::{Context, Result, anyhow, bail};
 use diffzoo_datasets::Shards;
 use diffzoo_models::Model;
@@ -33,7 +33,12 @@ pub struct Perplexity {
     pub windows: u64,
     pub tokens: u64,
     pub loss: f64,
+    /// The 95% interval of the loss over the windows scored (their spread; see [`stats`]).
+    pub loss_ci95: Option<[f64; 2]>,
     pub perplexity: f64,
+    /// Each window's mean loss, in window order (for paired comparisons; not printed).
+    #[serde(skip)]
+    pub per_window: Vec<f64>,
 }
 
 pub fn measure(
@@ -50,14 +55,16 @@ pub fn measure(
         }
         None => (loaded.validation_windows()?, loaded.shards.dir.clone()),
     };
-    let (loss, tokens, count) = loaded.validation_loss(&loaded.model, &windows, batches)?;
+    let (loss, tokens, per_window) = loaded.validation_loss(&loaded.model, &windows, batches)?;
     Ok(Perplexity {
         weights: loaded.weights.to_string(),
         data: dir.display().to_string(),
-        windows: count,
+        windows: per_window.len() as u64,
         tokens,
         loss,
+        loss_ci95: stats::estimate(&per_window).ci95,
         perplexity: loss.exp(),
+        per_window,
     })
 }
 
@@ -76,8 +83,11 @@ pub fn run(args: &PplArgs) -> Result<()> {
         ),
     };
     emit(args.common.json, &result, |r| {
+        let interval = r.loss_ci95.map_or(String::new(), |[lo, hi]| {
+            format!(" (95% interval {lo:.4} to {hi:.4} over windows)")
+        });
         println!(
-            "{}: validation loss {:.4}, perplexity {:.2} over {} tokens ({} windows: {scope}) of {}",
+            "{}: validation loss {:.4}{interval}, perplexity {:.2} over {} tokens ({} windows: {scope}) of {}",
             r.weights, r.loss, r.perplexity, r.tokens, r.windows, r.data
         )
     })
