@@ -7,6 +7,7 @@
 //! optimum (omitted when E sits on its bound, where they mean nothing).
 
 use crate::plot::{self, Chart, Series};
+use crate::run;
 use crate::sweep::summarize;
 use anyhow::{Result, bail};
 use serde::Serialize;
@@ -223,10 +224,28 @@ fn collect(sweeps: &[PathBuf], axis: &str) -> Result<BTreeMap<String, Vec<(f64, 
     for sweep in sweeps {
         let entries =
             std::fs::read_dir(sweep).map_err(|e| anyhow::anyhow!("{}: {e}", sweep.display()))?;
-        for dir in entries
+        let runs = entries
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.is_dir())
-        {
+            .flat_map(|dir| {
+                if dir.join(run::RECIPE).exists() {
+                    return vec![dir];
+                }
+                // A sweep over seeds: RUN/seed-N, each seed a point.
+                std::fs::read_dir(&dir)
+                    .map(|entries| {
+                        entries
+                            .filter_map(|e| e.ok().map(|e| e.path()))
+                            .filter(|p| {
+                                p.file_name()
+                                    .is_some_and(|n| n.to_string_lossy().starts_with("seed-"))
+                                    && p.join(run::RECIPE).exists()
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default()
+            });
+        for dir in runs {
             let Ok(summary) = summarize(&dir, &dir.display().to_string()) else {
                 continue;
             };

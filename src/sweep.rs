@@ -15,6 +15,7 @@ use crate::plan::{Gpu, Plan};
 use crate::recipe::{self, Recipe};
 use crate::run;
 use crate::slurm::{self, After, Job, SlurmArgs};
+use crate::stats;
 use crate::train::{checkpoint, lock, signals};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
@@ -48,6 +49,10 @@ pub struct SweepArgs {
     /// job after the array).
     #[arg(long, conflicts_with_all = ["only", "slurm", "status"])]
     pub summarize: bool,
+    /// Train every recipe once per seed (`training.seed`), each into RUN/seed-N, and summarise
+    /// each recipe over its seeds: mean, standard deviation and 95% interval (e.g. 1,2,3).
+    #[arg(long, value_delimiter = ',', value_name = "N,…")]
+    pub seeds: Vec<u64>,
     /// With --summarize: the scaling fit's x (params or tokens).
     #[arg(long, default_value = "params", value_parser = ["params", "tokens"])]
     pub fit_axis: String,
@@ -86,10 +91,67 @@ pub struct RunSummary {
     pub validation_loss: Option<f64>,
     pub wall_sec: Option<f64>,
     pub status: String,
+    /// `training.seed` of a sweep over seeds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+}
+
+/// A recipe of a sweep over seeds: its validation loss over the seeds that finished.
+#[derive(Debug, Clone, Serialize)]
+pub struct SeedSummary {
+    pub recipe: String,
+    pub attention: String,
+    pub params: u64,
+    pub tokens: u64,
+    /// The seeds whose runs finished with a validation loss.
+    pub seeds: Vec<u64>,
+    /// Mean, standard deviation and 95% interval over those seeds (`None` before any finished).
+    pub validation_loss: Option<stats::Estimate>,
+}
+
+/// One run of a sweep.
+#[derive(Debug, Clone)]
+struct Member {
+    /// The run directory under the sweep's (`RECIPE` or `RECIPE/seed-N`).
+    name: String,
+    /// The `--recipe` argument.
+    recipe: String,
+    /// `training.seed`, when the sweep is over seeds.
+    seed: Option<u64>,
+}
+
+/// The runs of a sweep: each recipe, or each recipe once per seed.
+fn members(args: &SweepArgs) -> Result<Vec<Member>> {
+    let mut seen = std::collections::HashSet::new();
+    if let Some(seed) = args.seeds.iter().find(|s| !seen.insert(**s)) {
+        bail!("--seeds: {seed} is given twice");
+    }
+    let recipes = recipes(&args.sweep)?;
+    Ok(if args.seeds.is_empty() {
+        recipes
+            .into_iter()
+            .map(|(name, recipe)| Member {
+                name,
+                recipe,
+                seed: None,
+            })
+            .collect()
+    } else {
+        recipes
+            .iter()
+            .flat_map(|(name, recipe)| {
+                args.seeds.iter().map(move |&seed| Member {
+                    name: format!("{name}/seed-{seed}"),
+                    recipe: recipe.clone(),
+                    seed: Some(seed),
+                })
+            })
+            .collect()
+    })
 }
 
 /// The recipes of a sweep: (name for the run directory, `--recipe` argument).
-fn members(sweep: &str) -> Result<Vec<(String, String)>> {
+fn recipes(sweep: &str) -> Result<Vec<(String, String)>> {
     let dir = Path::new(sweep);
     let mut found: Vec<(String, String)> = if dir.is_dir() {
         std::fs::read_dir(dir)
@@ -151,12 +213,14 @@ pub fn summarize(run_dir: &Path, name: &str) -> Result<RunSummary> {
         validation_loss,
         wall_sec: records.last().and_then(|r| r["elapsed_sec"].as_f64()),
         status: status.into(),
+        seed: None,
     })
 }
 
 /// Trains one member unless finished; returns whether it finished (else it was stopped by a
 /// signal and can be resumed), or an error message on failure.
-fn train_member(exe: &Path, run_dir: &Path, recipe: &str, args: &SweepArgs) -> Result<bool> {
+fn train_member(exe: &Path, run_dir: &Path, member: &Member, args: &SweepArgs) -> Result<bool> {
+    let recipe = member.recipe.as_str();
     if run_dir.join(run::FINAL_MODEL).exists() {
         return Ok(true);
     }
@@ -195,6 +259,9 @@ fn train_member(exe: &Path, run_dir: &Path, recipe: &str, args: &SweepArgs) -> R
         .process_group(0);
     if resume {
         command.arg("--resume");
+    }
+    if let Some(seed) = member.seed {
+        command.args(["--set", &format!("training.seed={seed}")]);
     }
     if let Some(device) = &args.device {
         command.args(["--device", device]);
@@ -237,9 +304,9 @@ fn train_member(exe: &Path, run_dir: &Path, recipe: &str, args: &SweepArgs) -> R
 }
 
 pub fn run(args: &SweepArgs) -> Result<Outcome> {
-    let mut members = members(&args.sweep)?;
-    for (_, recipe) in &members {
-        recipe::resolve(recipe, &[])?;
+    let mut members = members(args)?;
+    for member in &members {
+        recipe::resolve(&member.recipe, &[])?;
     }
     let out = args
         .out
@@ -255,7 +322,7 @@ pub fn run(args: &SweepArgs) -> Result<Outcome> {
         return slurm_jobs(args, &members, &out).map(|()| Outcome::Done);
     }
     if let Some(only) = &args.only {
-        members.retain(|(name, _)| name == only);
+        members.retain(|m| &m.name == only);
         if members.is_empty() {
             bail!("--only {only}: no such run in {}", args.sweep);
         }
@@ -272,12 +339,13 @@ pub fn run(args: &SweepArgs) -> Result<Outcome> {
                     if signals::received().is_some() || stopped.load(Ordering::SeqCst) {
                         break;
                     }
-                    let Some((name, recipe)) = queue.lock().expect("queue").next() else {
+                    let Some(member) = queue.lock().expect("queue").next() else {
                         break;
                     };
+                    let name = &member.name;
                     let run_dir = out.join(name);
                     eprintln!("sweep: {name}");
-                    match train_member(&exe, &run_dir, recipe, args) {
+                    match train_member(&exe, &run_dir, member, args) {
                         Ok(true) => {}
                         Ok(false) => {
                             eprintln!("sweep: {name} stopped (resumable)");
@@ -307,18 +375,31 @@ pub fn run(args: &SweepArgs) -> Result<Outcome> {
 }
 
 /// Writes `summary.json` over every run directory there is and prints it.
-fn write_summary(args: &SweepArgs, members: &[(String, String)], out: &Path) -> Result<()> {
+fn write_summary(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
     let rows: Vec<RunSummary> = members
         .iter()
-        .filter_map(|(name, _)| summarize(&out.join(name), name).ok())
+        .filter_map(|m| {
+            let mut row = summarize(&out.join(&m.name), &m.name).ok()?;
+            row.seed = m.seed;
+            Some(row)
+        })
         .collect();
     std::fs::write(
         out.join("summary.json"),
         serde_json::to_string_pretty(&rows)?,
     )
     .with_context(|| format!("writing {}", out.join("summary.json").display()))?;
+    let over_seeds = (!args.seeds.is_empty()).then(|| over_seeds(&rows));
+    if let Some(seeds) = &over_seeds {
+        std::fs::write(out.join(SEEDS), serde_json::to_string_pretty(seeds)?)
+            .with_context(|| format!("writing {}", out.join(SEEDS).display()))?;
+    }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        let json = match &over_seeds {
+            None => serde_json::to_value(&rows)?,
+            Some(seeds) => serde_json::json!({ "runs": rows, "seeds": seeds }),
+        };
+        println!("{}", serde_json::to_string_pretty(&json)?);
     } else {
         println!(
             "{:<28} {:<12} {:>10} {:>12} {:>10} {:>9}  status",
@@ -336,13 +417,78 @@ fn write_summary(args: &SweepArgs, members: &[(String, String)], out: &Path) -> 
                 r.status
             );
         }
+        if let Some(seeds) = &over_seeds {
+            println!(
+                "\n{:<28} {:<12} {:>6} {:>10} {:>8}  95% interval",
+                "recipe", "attention", "seeds", "val loss", "sd"
+            );
+            for r in seeds {
+                let loss = r.validation_loss;
+                println!(
+                    "{:<28} {:<12} {:>6} {:>10} {:>8}  {}",
+                    r.recipe,
+                    r.attention,
+                    r.seeds.len(),
+                    loss.map_or("-".into(), |e| format!("{:.4}", e.mean)),
+                    loss.and_then(|e| e.sd)
+                        .map_or("-".into(), |sd| format!("{sd:.4}")),
+                    loss.and_then(|e| e.ci95)
+                        .map_or("- (one seed has no interval)".into(), |[lo, hi]| format!(
+                            "{lo:.4} to {hi:.4}"
+                        )),
+                );
+            }
+        }
     }
     Ok(())
 }
 
+/// Where a sweep over seeds writes each recipe's summary over its seeds.
+const SEEDS: &str = "seeds.json";
+
+/// Each recipe's validation loss over the seeds that finished, in the order of `rows`.
+fn over_seeds(rows: &[RunSummary]) -> Vec<SeedSummary> {
+    let mut out: Vec<(SeedSummary, Vec<f64>)> = Vec::new();
+    for row in rows {
+        let recipe = row
+            .recipe
+            .rsplit_once("/seed-")
+            .map_or(row.recipe.as_str(), |(r, _)| r);
+        let at = match out.iter().position(|(s, _)| s.recipe == recipe) {
+            Some(at) => at,
+            None => {
+                out.push((
+                    SeedSummary {
+                        recipe: recipe.to_string(),
+                        attention: row.attention.clone(),
+                        params: row.params,
+                        tokens: row.tokens,
+                        seeds: Vec::new(),
+                        validation_loss: None,
+                    },
+                    Vec::new(),
+                ));
+                out.len() - 1
+            }
+        };
+        if let (Some(seed), Some(loss), "finished") =
+            (row.seed, row.validation_loss, row.status.as_str())
+        {
+            out[at].0.seeds.push(seed);
+            out[at].1.push(loss);
+        }
+    }
+    out.into_iter()
+        .map(|(mut summary, losses)| {
+            summary.validation_loss = (!losses.is_empty()).then(|| stats::estimate(&losses));
+            summary
+        })
+        .collect()
+}
+
 /// `--summarize`: the summary, then the scaling fit and its plot (`OUT/scaling.svg`) when the
 /// runs allow one. Fails when a run is unfinished, so that Slurm shows the sweep is not done.
-fn summarize_and_fit(args: &SweepArgs, members: &[(String, String)], out: &Path) -> Result<()> {
+fn summarize_and_fit(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
     write_summary(args, members, out)?;
     let plot = out.join("scaling.svg");
     let fit = crate::scaling::run(&crate::scaling::FitArgs {
@@ -357,17 +503,18 @@ fn summarize_and_fit(args: &SweepArgs, members: &[(String, String)], out: &Path)
     }
     let unfinished: Vec<&str> = members
         .iter()
-        .filter(|(name, _)| !out.join(name).join(run::FINAL_MODEL).exists())
-        .map(|(name, _)| name.as_str())
+        .filter(|m| !out.join(&m.name).join(run::FINAL_MODEL).exists())
+        .map(|m| m.name.as_str())
         .collect();
     if !unfinished.is_empty() {
         bail!(
-            "{} of {} runs are not finished: {} (`diffzoo sweep {} --out {} --status`)",
+            "{} of {} runs are not finished: {} (`diffzoo sweep {} --out {}{} --status`)",
             unfinished.len(),
             members.len(),
             unfinished.join(", "),
             args.sweep,
-            out.display()
+            out.display(),
+            seeds_suffix(args)
         );
     }
     Ok(())
@@ -385,19 +532,20 @@ struct Submission {
 }
 
 /// `--slurm`: a job array over the unfinished runs, then the summary and fit.
-fn slurm_jobs(args: &SweepArgs, members: &[(String, String)], out: &Path) -> Result<()> {
-    let pending: Vec<&(String, String)> = members
+fn slurm_jobs(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
+    let pending: Vec<&Member> = members
         .iter()
-        .filter(|(name, _)| !out.join(name).join(run::FINAL_MODEL).exists())
+        .filter(|m| !out.join(&m.name).join(run::FINAL_MODEL).exists())
         .collect();
     if pending.is_empty() {
         bail!(
-            "nothing to run: the {} runs of {} in {} are finished (`diffzoo sweep {} --out {} --summarize` writes the summary and fit again)",
+            "nothing to run: the {} runs of {} in {} are finished (`diffzoo sweep {} --out {}{} --summarize` writes the summary and fit again)",
             members.len(),
             args.sweep,
             out.display(),
             args.sweep,
-            out.display()
+            out.display(),
+            seeds_suffix(args)
         );
     }
     let mut time = args.slurm_args.fixed_time()?;
@@ -417,7 +565,7 @@ fn slurm_jobs(args: &SweepArgs, members: &[(String, String)], out: &Path) -> Res
             }
             let mut longest: Option<f64> = Some(0.0);
             let mut unfit = Vec::new();
-            for (name, recipe) in &pending {
+            for Member { name, recipe, .. } in pending.iter().copied() {
                 let resolved = recipe::resolve(recipe, &[])?;
                 let plan = Plan::new(&resolved.recipe, Gpu::parse(spec)?, Some(gpus), 0.4)?;
                 if !plan.runnable() {
@@ -508,7 +656,9 @@ fn slurm_jobs(args: &SweepArgs, members: &[(String, String)], out: &Path) -> Res
     if !devices.is_empty() {
         words.extend(["--devices".into(), devices.join(",")]);
     }
-    let runs: Vec<String> = pending.iter().map(|(name, _)| name.clone()).collect();
+    let seeds = seeds_argument(args);
+    words.extend(seeds.clone());
+    let runs: Vec<String> = pending.iter().map(|m| m.name.clone()).collect();
     let mut task_about = vec![format!(
         "One task per unfinished run of {} ({} of {}), each trained (or resumed) into {out_abs}/RUN.",
         args.sweep,
@@ -540,16 +690,21 @@ fn slurm_jobs(args: &SweepArgs, members: &[(String, String)], out: &Path) -> Res
             options: vec!["--nodes=1".into(), "--ntasks=1".into()],
             array: None,
             setup: Vec::new(),
-            command: slurm::command_line(&[
-                exe,
-                "sweep".into(),
-                sweep,
-                "--out".into(),
-                out_abs,
-                "--summarize".into(),
-                "--fit-axis".into(),
-                args.fit_axis.clone(),
-            ]),
+            command: slurm::command_line(
+                &[
+                    exe,
+                    "sweep".into(),
+                    sweep,
+                    "--out".into(),
+                    out_abs,
+                    "--summarize".into(),
+                    "--fit-axis".into(),
+                    args.fit_axis.clone(),
+                ]
+                .into_iter()
+                .chain(seeds)
+                .collect::<Vec<_>>(),
+            ),
             resumable: false,
             after: Some(After::Any(0)),
         },
@@ -584,6 +739,23 @@ fn slurm_jobs(args: &SweepArgs, members: &[(String, String)], out: &Path) -> Res
     Ok(())
 }
 
+/// `--seeds 1,2,3` as the sweep was given it (nothing without seeds).
+fn seeds_argument(args: &SweepArgs) -> Vec<String> {
+    if args.seeds.is_empty() {
+        return Vec::new();
+    }
+    let seeds: Vec<String> = args.seeds.iter().map(u64::to_string).collect();
+    vec!["--seeds".into(), seeds.join(",")]
+}
+
+/// ` --seeds 1,2,3` for the commands a message suggests.
+fn seeds_suffix(args: &SweepArgs) -> String {
+    seeds_argument(args)
+        .iter()
+        .map(|w| format!(" {w}"))
+        .collect()
+}
+
 /// One row of `--status`.
 #[derive(Debug, Serialize)]
 struct RunStatus {
@@ -595,7 +767,7 @@ struct RunStatus {
 }
 
 /// `--status`: each run's state from its directory, and from Slurm for submitted tasks.
-fn status(args: &SweepArgs, members: &[(String, String)], out: &Path) -> Result<()> {
+fn status(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
     let path = out.join(SUBMITTED);
     let mut task_of: std::collections::HashMap<String, String> = Default::default();
     if let Ok(text) = std::fs::read_to_string(&path) {
@@ -616,7 +788,7 @@ fn status(args: &SweepArgs, members: &[(String, String)], out: &Path) -> Result<
     }
     let states = slurm::task_states(task_of.values().cloned().collect());
     let mut rows = Vec::new();
-    for (name, recipe) in members {
+    for Member { name, recipe, .. } in members {
         let run_dir = out.join(name);
         let steps = recipe::resolve(recipe, &[])?.recipe.total_steps();
         let step = last_step(&run_dir);

@@ -1208,6 +1208,118 @@ fn sweep_skips_finished_runs_and_scaling_fit_compares_architectures() {
     );
 }
 
+/// A sweep over seeds: each recipe once per seed in RUN/seed-N (its `training.seed`), a summary
+/// per recipe with the mean, spread and interval over its seeds, a scaling fit over every seed,
+/// and Slurm tasks per seed.
+#[test]
+fn sweep_over_seeds_summarises_each_recipe_with_an_interval() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipes = tmp.path().join("recipes");
+    std::fs::create_dir_all(&recipes).unwrap();
+    for (d, layers) in [(16, 1), (32, 1), (48, 2)] {
+        for attention in ["diff", "transformer"] {
+            std::fs::write(
+                recipes.join(format!("d{d}-l{layers}-{attention}.toml")),
+                format!("extends = \"micro\"\n[model]\nattention = \"{attention}\"\nd_model = {d}\nlayers = {layers}\n[training]\nsteps = 6\n[checkpoint]\ninterval = 3\n"),
+            )
+            .unwrap();
+        }
+    }
+    let out = tmp.path().join("sweep");
+    let sweep = |extra: &[&str]| {
+        let mut args = vec![
+            "sweep",
+            path(&recipes),
+            "--out",
+            path(&out),
+            "--seeds",
+            "1,2,3",
+        ];
+        args.extend_from_slice(extra);
+        ok(&args)
+    };
+    let summary: Value = serde_json::from_str(&sweep(&["--jobs", "2", "--json"])).unwrap();
+    let runs = summary["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 18);
+    let seeds = summary["seeds"].as_array().unwrap();
+    assert_eq!(seeds.len(), 6);
+    assert_eq!(
+        serde_json::from_str::<Value>(&std::fs::read_to_string(out.join("seeds.json")).unwrap())
+            .unwrap(),
+        summary["seeds"]
+    );
+    for recipe in seeds {
+        let name = recipe["recipe"].as_str().unwrap();
+        assert_eq!(recipe["seeds"], serde_json::json!([1, 2, 3]), "{recipe}");
+        let losses: Vec<f64> = (1..=3)
+            .map(|seed| {
+                let run = out.join(name).join(format!("seed-{seed}"));
+                let toml = std::fs::read_to_string(run.join("recipe.toml")).unwrap();
+                assert!(toml.contains(&format!("seed = {seed}\n")), "{toml}");
+                records(&run, "validation").last().unwrap()["loss"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect();
+        assert!(
+            losses[0] != losses[1] && losses[1] != losses[2],
+            "{losses:?}"
+        );
+        let loss = &recipe["validation_loss"];
+        let mean = losses.iter().sum::<f64>() / 3.0;
+        assert!(
+            (loss["mean"].as_f64().unwrap() - mean).abs() < 1e-12,
+            "{recipe}"
+        );
+        assert_eq!(loss["n"], 3);
+        let [lo, hi] = [0, 1].map(|i| loss["ci95"][i].as_f64().unwrap());
+        assert!(
+            lo < mean && mean < hi && loss["sd"].as_f64().unwrap() > 0.0,
+            "{recipe}"
+        );
+    }
+    let table = sweep(&[]);
+    assert!(
+        table.contains("95% interval") && table.contains("d16-l1-diff/seed-2"),
+        "{table}"
+    );
+
+    let fit = json(&["scaling", "fit", path(&out), "--json"]);
+    for attention in ["diff", "transformer"] {
+        assert_eq!(fit["fits"][attention]["points"], 9, "{fit}");
+    }
+    let err = fails(&[
+        "sweep",
+        path(&recipes),
+        "--out",
+        path(&out),
+        "--seeds",
+        "1,2,3",
+        "--slurm",
+    ]);
+    assert!(
+        err.contains("nothing to run: the 18 runs") && err.contains("--seeds 1,2,3 --summarize"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(out.join("d48-l2-diff/seed-3")).unwrap();
+    let script = sweep(&["--slurm"]);
+    assert!(
+        script.contains("runs=(d48-l2-diff/seed-3)")
+            && script.contains("--seeds 1,2,3 --only=\"$run\"")
+            && script.contains("--summarize --fit-axis params --seeds 1,2,3"),
+        "{script}"
+    );
+    let err = fails(&[
+        "sweep",
+        path(&recipes),
+        "--out",
+        path(&out),
+        "--seeds",
+        "1,2,1",
+    ]);
+    assert!(err.contains("--seeds: 1 is given twice"), "{err}");
+}
+
 #[test]
 fn bf16_on_flex_tracks_f32_and_ndarray_refuses_it() {
     let tmp = tempfile::tempdir().unwrap();
