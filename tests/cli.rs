@@ -1051,6 +1051,25 @@ fn a_non_finite_loss_stops_training_naming_the_step() {
     );
 }
 
+/// A folder of `micro` recipes of 6 steps at each (d_model, layers), DIFF and baseline.
+fn size_recipes(dir: &Path, sizes: &[(usize, usize)]) -> PathBuf {
+    let recipes = dir.join("recipes");
+    std::fs::create_dir_all(&recipes).unwrap();
+    for (d, layers) in sizes {
+        for attention in ["diff", "transformer"] {
+            let text = format!(
+                "extends = \"micro\"\n[model]\nattention = \"{attention}\"\nd_model = {d}\nlayers = {layers}\n[training]\nsteps = 6\n[checkpoint]\ninterval = 3\n"
+            );
+            std::fs::write(
+                recipes.join(format!("d{d}-l{layers}-{attention}.toml")),
+                text,
+            )
+            .unwrap();
+        }
+    }
+    recipes
+}
+
 /// `watch --once` over a finished sweep shows every run as its summary does; a run held on
 /// another host is running while its log is fresh and failed once it falls silent.
 fn watch_follows_a_sweep(out: &Path, summary: &[Value]) {
@@ -1141,20 +1160,7 @@ fn watch_follows_a_sweep(out: &Path, summary: &[Value]) {
 #[test]
 fn sweep_skips_finished_runs_and_scaling_fit_compares_architectures() {
     let tmp = tempfile::tempdir().unwrap();
-    let recipes = tmp.path().join("recipes");
-    std::fs::create_dir_all(&recipes).unwrap();
-    for (d, layers) in [(16, 1), (32, 1), (32, 2), (48, 2)] {
-        for attention in ["diff", "transformer"] {
-            let text = format!(
-                "extends = \"micro\"\n[model]\nattention = \"{attention}\"\nd_model = {d}\nlayers = {layers}\n[training]\nsteps = 6\n[checkpoint]\ninterval = 3\n"
-            );
-            std::fs::write(
-                recipes.join(format!("d{d}-l{layers}-{attention}.toml")),
-                text,
-            )
-            .unwrap();
-        }
-    }
+    let recipes = size_recipes(tmp.path(), &[(16, 1), (32, 1), (32, 2), (48, 2)]);
     let out = tmp.path().join("sweep");
     let summary: Value = serde_json::from_str(&ok(&[
         "sweep",
@@ -1214,17 +1220,7 @@ fn sweep_skips_finished_runs_and_scaling_fit_compares_architectures() {
 #[test]
 fn sweep_over_seeds_summarises_each_recipe_with_an_interval() {
     let tmp = tempfile::tempdir().unwrap();
-    let recipes = tmp.path().join("recipes");
-    std::fs::create_dir_all(&recipes).unwrap();
-    for (d, layers) in [(16, 1), (32, 1), (48, 2)] {
-        for attention in ["diff", "transformer"] {
-            std::fs::write(
-                recipes.join(format!("d{d}-l{layers}-{attention}.toml")),
-                format!("extends = \"micro\"\n[model]\nattention = \"{attention}\"\nd_model = {d}\nlayers = {layers}\n[training]\nsteps = 6\n[checkpoint]\ninterval = 3\n"),
-            )
-            .unwrap();
-        }
-    }
+    let recipes = size_recipes(tmp.path(), &[(16, 1), (32, 1), (48, 2)]);
     let out = tmp.path().join("sweep");
     let sweep = |extra: &[&str]| {
         let mut args = vec![
