@@ -109,10 +109,14 @@ fn linear_fit(z: &[f64], y: &[f64]) -> (f64, f64, f64) {
 
 /// Fits `L(x) = E + A·x^(−α)` to the points.
 pub fn fit(points: &[(f64, f64)]) -> Result<Fit> {
-    if points.len() < 3 {
+    let mut sizes: Vec<f64> = points.iter().map(|p| p.0).collect();
+    sizes.sort_by(f64::total_cmp);
+    sizes.dedup();
+    if sizes.len() < 3 {
         bail!(
-            "a scaling fit needs at least 3 points, got {}",
-            points.len()
+            "a scaling fit needs at least 3 sizes, got {} point(s) at {} size(s)",
+            points.len(),
+            sizes.len()
         );
     }
     if points.iter().any(|(x, l)| !(*x > 0.0 && l.is_finite())) {
@@ -289,7 +293,11 @@ pub fn report(points: BTreeMap<String, Vec<(f64, f64)>>, axis: &str) -> Result<R
         .filter(|(a, _)| a.as_str() != "transformer")
         .flat_map(|(attention, series)| {
             let f = fits[attention];
-            series.iter().map(move |(x, _)| {
+            // One comparison per size (seeds repeat sizes); the series is sorted by size.
+            let mut sizes: Vec<f64> = series.iter().map(|p| p.0).collect();
+            sizes.dedup();
+            sizes.into_iter().map(move |x| {
+                let x = &x;
                 let loss = f.loss(*x);
                 let baseline_x = baseline.and_then(|b| b.x_at(loss));
                 Match {
@@ -464,12 +472,18 @@ mod tests {
     }
 
     #[test]
-    fn too_few_points_is_an_error() {
-        assert!(
-            fit(&[(1.0, 2.0), (2.0, 1.5)])
-                .unwrap_err()
-                .to_string()
-                .contains("at least 3 points")
-        );
+    fn too_few_sizes_is_an_error_however_many_seeds() {
+        let err = |points: &[(f64, f64)]| fit(points).unwrap_err().to_string();
+        assert!(err(&[(1.0, 2.0), (2.0, 1.5)]).contains("at least 3 sizes, got 2 point(s)"));
+        // Two sizes of three seeds each: six points, still two sizes.
+        let seeds = [
+            (1.0, 2.0),
+            (1.0, 2.1),
+            (1.0, 1.9),
+            (2.0, 1.5),
+            (2.0, 1.6),
+            (2.0, 1.4),
+        ];
+        assert!(err(&seeds).contains("got 6 point(s) at 2 size(s)"));
     }
 }

@@ -51,7 +51,8 @@ pub struct SweepArgs {
     pub summarize: bool,
     /// Train every recipe once per seed (`training.seed`), each into RUN/seed-N, and summarise
     /// each recipe over its seeds: mean, standard deviation and 95% interval (e.g. 1,2,3).
-    #[arg(long, value_delimiter = ',', value_name = "N,…")]
+    #[arg(long, value_delimiter = ',', value_name = "N,…",
+          value_parser = clap::value_parser!(u64).range(0..=i64::MAX as u64))]
     pub seeds: Vec<u64>,
     /// With --summarize: the scaling fit's x (params or tokens).
     #[arg(long, default_value = "params", value_parser = ["params", "tokens"])]
@@ -312,6 +313,7 @@ pub fn run(args: &SweepArgs) -> Result<Outcome> {
         .out
         .clone()
         .unwrap_or_else(|| Path::new("runs").join(args.sweep.trim_end_matches('/')));
+    check_layout(args, &out)?;
     if args.status {
         return status(args, &members, &out).map(|()| Outcome::Done);
     }
@@ -366,12 +368,41 @@ pub fn run(args: &SweepArgs) -> Result<Outcome> {
     }
     if stopped.into_inner() || signals::received().is_some() {
         println!(
-            "sweep stopped; the same `diffzoo sweep {}` command continues it",
-            args.sweep
+            "sweep stopped; the same `diffzoo sweep {}{}` command continues it",
+            args.sweep,
+            seeds_suffix(args)
         );
         return Ok(Outcome::Stopped);
     }
     Ok(Outcome::Done)
+}
+
+/// Refuses to mix the layouts in one sweep directory: a sweep without seeds over runs with
+/// seeds (it would take RUN for an unfinished run of its own and clear it) and one with seeds
+/// inside runs without (their seeds would hide in a run directory).
+fn check_layout(args: &SweepArgs, out: &Path) -> Result<()> {
+    for (name, _) in recipes(&args.sweep)? {
+        let dir = out.join(&name);
+        if args.seeds.is_empty() {
+            let seeded = std::fs::read_dir(&dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with("seed-") && e.path().is_dir());
+            if seeded && !dir.join(run::RECIPE).exists() {
+                bail!(
+                    "{}: holds runs over seeds (seed-N): give this sweep its --seeds, or another --out",
+                    dir.display()
+                );
+            }
+        } else if dir.join(run::RECIPE).exists() {
+            bail!(
+                "{}: a run without seeds; a sweep over --seeds needs another --out",
+                dir.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Writes `summary.json` over every run directory there is and prints it.
@@ -389,7 +420,9 @@ fn write_summary(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()>
         serde_json::to_string_pretty(&rows)?,
     )
     .with_context(|| format!("writing {}", out.join("summary.json").display()))?;
-    let over_seeds = (!args.seeds.is_empty()).then(|| over_seeds(&rows));
+    let over_seeds = (!args.seeds.is_empty())
+        .then(|| over_seeds(members, &rows))
+        .transpose()?;
     if let Some(seeds) = &over_seeds {
         std::fs::write(out.join(SEEDS), serde_json::to_string_pretty(seeds)?)
             .with_context(|| format!("writing {}", out.join(SEEDS).display()))?;
@@ -432,10 +465,11 @@ fn write_summary(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()>
                     loss.map_or("-".into(), |e| format!("{:.4}", e.mean)),
                     loss.and_then(|e| e.sd)
                         .map_or("-".into(), |sd| format!("{sd:.4}")),
-                    loss.and_then(|e| e.ci95)
-                        .map_or("- (one seed has no interval)".into(), |[lo, hi]| format!(
-                            "{lo:.4} to {hi:.4}"
-                        )),
+                    match (loss.map(|e| e.n), loss.and_then(|e| e.ci95)) {
+                        (_, Some([lo, hi])) => format!("{lo:.4} to {hi:.4}"),
+                        (Some(1), None) => "- (one seed has no interval)".into(),
+                        _ => "- (no seed finished)".into(),
+                    },
                 );
             }
         }
@@ -446,44 +480,49 @@ fn write_summary(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()>
 /// Where a sweep over seeds writes each recipe's summary over its seeds.
 const SEEDS: &str = "seeds.json";
 
-/// Each recipe's validation loss over the seeds that finished, in the order of `rows`.
-fn over_seeds(rows: &[RunSummary]) -> Vec<SeedSummary> {
+/// Each recipe's validation loss over the seeds that finished, in the sweep's order (every
+/// recipe, also before any of its runs exists).
+fn over_seeds(members: &[Member], rows: &[RunSummary]) -> Result<Vec<SeedSummary>> {
     let mut out: Vec<(SeedSummary, Vec<f64>)> = Vec::new();
-    for row in rows {
-        let recipe = row
-            .recipe
+    for member in members {
+        let recipe = member
+            .name
             .rsplit_once("/seed-")
-            .map_or(row.recipe.as_str(), |(r, _)| r);
-        let at = match out.iter().position(|(s, _)| s.recipe == recipe) {
-            Some(at) => at,
-            None => {
-                out.push((
-                    SeedSummary {
-                        recipe: recipe.to_string(),
-                        attention: row.attention.clone(),
-                        params: row.params,
-                        tokens: row.tokens,
-                        seeds: Vec::new(),
-                        validation_loss: None,
-                    },
-                    Vec::new(),
-                ));
-                out.len() - 1
-            }
-        };
-        if let (Some(seed), Some(loss), "finished") =
-            (row.seed, row.validation_loss, row.status.as_str())
+            .map_or(member.name.as_str(), |(r, _)| r);
+        if out.iter().all(|(s, _)| s.recipe != recipe) {
+            let resolved = recipe::resolve(&member.recipe, &[])?.recipe;
+            let derived = resolved.derived();
+            out.push((
+                SeedSummary {
+                    recipe: recipe.to_string(),
+                    attention: resolved.model.attention.to_string(),
+                    params: derived.params_total,
+                    tokens: derived.tokens,
+                    seeds: Vec::new(),
+                    validation_loss: None,
+                },
+                Vec::new(),
+            ));
+        }
+        let at = out.len() - 1;
+        let row = rows.iter().find(|r| r.recipe == member.name);
+        if let Some(RunSummary {
+            seed: Some(seed),
+            validation_loss: Some(loss),
+            ..
+        }) = row.filter(|r| r.status == "finished")
         {
-            out[at].0.seeds.push(seed);
-            out[at].1.push(loss);
+            out[at].0.seeds.push(*seed);
+            out[at].1.push(*loss);
         }
     }
-    out.into_iter()
+    Ok(out
+        .into_iter()
         .map(|(mut summary, losses)| {
             summary.validation_loss = (!losses.is_empty()).then(|| stats::estimate(&losses));
             summary
         })
-        .collect()
+        .collect())
 }
 
 /// `--summarize`: the summary, then the scaling fit and its plot (`OUT/scaling.svg`) when the

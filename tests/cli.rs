@@ -1314,6 +1314,32 @@ fn sweep_over_seeds_summarises_each_recipe_with_an_interval() {
         "1,2,1",
     ]);
     assert!(err.contains("--seeds: 1 is given twice"), "{err}");
+    // One sweep directory, one layout: without its seeds the sweep would take each recipe's
+    // directory for an unfinished run and clear the seeds' runs in it.
+    let err = fails(&["sweep", path(&recipes), "--out", path(&out)]);
+    assert!(
+        err.contains("d16-l1-diff: holds runs over seeds (seed-N)"),
+        "{err}"
+    );
+    assert!(out.join("d16-l1-diff/seed-1/model.bpk").exists());
+    let plain = tmp.path().join("plain");
+    ok(&[
+        "sweep",
+        path(&recipes),
+        "--out",
+        path(&plain),
+        "--only",
+        "d16-l1-diff",
+    ]);
+    let err = fails(&[
+        "sweep",
+        path(&recipes),
+        "--out",
+        path(&plain),
+        "--seeds",
+        "1",
+    ]);
+    assert!(err.contains("d16-l1-diff: a run without seeds"), "{err}");
 }
 
 #[test]
