@@ -212,6 +212,8 @@ pub struct Match {
     pub baseline_x: Option<f64>,
     /// x / baseline_x: the share of the baseline's size (or tokens) this variant needs.
     pub ratio: Option<f64>,
+    /// The ratio's 95% interval, a bootstrap over seeds (`None` with one seed per size).
+    pub ratio_ci95: Option<[f64; 2]>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -288,7 +290,7 @@ pub fn report(points: BTreeMap<String, Vec<(f64, f64)>>, axis: &str) -> Result<R
         );
     }
     let baseline = fits.get("transformer").copied();
-    let matches = points
+    let mut matches = points
         .iter()
         .filter(|(a, _)| a.as_str() != "transformer")
         .flat_map(|(attention, series)| {
@@ -306,16 +308,91 @@ pub fn report(points: BTreeMap<String, Vec<(f64, f64)>>, axis: &str) -> Result<R
                     loss,
                     baseline_x,
                     ratio: baseline_x.map(|b| x / b),
+                    ratio_ci95: None,
                 }
             })
         })
-        .collect();
+        .collect::<Vec<_>>();
+    let at: Vec<(String, f64)> = matches.iter().map(|m| (m.attention.clone(), m.x)).collect();
+    for (m, interval) in matches.iter_mut().zip(ratio_intervals(&points, &at)) {
+        m.ratio_ci95 = interval;
+    }
     Ok(Report {
         axis: axis.to_string(),
         points,
         fits,
         matches,
     })
+}
+
+/// Bootstrap resamples behind a ratio's interval.
+const RESAMPLES: usize = 200;
+
+/// The 95% interval of the ratio at each (attention, x): every size's losses resampled with
+/// replacement over its seeds, every law refitted, the ratio recomputed (percentiles of the
+/// resamples whose fits reach it). `None` everywhere unless every size has two seeds or more, as
+/// one seed per size leaves nothing to resample but the points themselves.
+fn ratio_intervals(
+    points: &BTreeMap<String, Vec<(f64, f64)>>,
+    at: &[(String, f64)],
+) -> Vec<Option<[f64; 2]>> {
+    // Each architecture's losses by size (the series are sorted by size).
+    let groups: BTreeMap<&String, Vec<(f64, Vec<f64>)>> = points
+        .iter()
+        .map(|(attention, series)| {
+            let mut groups: Vec<(f64, Vec<f64>)> = Vec::new();
+            for &(x, loss) in series {
+                match groups.last_mut() {
+                    Some((gx, losses)) if *gx == x => losses.push(loss),
+                    _ => groups.push((x, vec![loss])),
+                }
+            }
+            (attention, groups)
+        })
+        .collect();
+    let seeded = groups
+        .values()
+        .flatten()
+        .all(|(_, losses)| losses.len() > 1);
+    if !seeded || !points.contains_key("transformer") {
+        return vec![None; at.len()];
+    }
+    let mut rng = diffzoo_datasets::Rng::new(0x5eed);
+    let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); at.len()];
+    for _ in 0..RESAMPLES {
+        let fits: Option<BTreeMap<&String, Fit>> = groups
+            .iter()
+            .map(|(attention, groups)| {
+                let resampled: Vec<(f64, f64)> = groups
+                    .iter()
+                    .flat_map(|(x, losses)| {
+                        (0..losses.len())
+                            .map(|_| (*x, losses[rng.below(losses.len() as u64) as usize]))
+                            .collect::<Vec<_>>()
+                    })
+                    .collect();
+                fit(&resampled).ok().map(|f| (*attention, f))
+            })
+            .collect();
+        let Some(fits) = fits else { continue };
+        let baseline = fits[&"transformer".to_string()];
+        for ((attention, x), ratios) in at.iter().zip(&mut ratios) {
+            if let Some(b) = fits.get(attention).and_then(|f| baseline.x_at(f.loss(*x))) {
+                ratios.push(x / b);
+            }
+        }
+    }
+    ratios
+        .into_iter()
+        .map(|mut r| {
+            if r.len() < RESAMPLES / 2 {
+                return None;
+            }
+            r.sort_by(f64::total_cmp);
+            let at = |q: f64| r[((q * r.len() as f64) as usize).min(r.len() - 1)];
+            Some([at(0.025), at(0.975)])
+        })
+        .collect()
 }
 
 /// An SVG plot: log x, points and fitted curves per architecture.
@@ -377,11 +454,16 @@ pub fn run(args: &FitArgs) -> Result<()> {
     for m in &report.matches {
         match (m.baseline_x, m.ratio) {
             (Some(b), Some(r)) => println!(
-                "{:<12} at x = {:.4e} (loss {:.4}): the baseline needs x = {b:.4e}; ratio {:.1}%",
+                "{:<12} at x = {:.4e} (loss {:.4}): the baseline needs x = {b:.4e}; ratio {:.1}%{}",
                 m.attention,
                 m.x,
                 m.loss,
-                r * 100.0
+                r * 100.0,
+                m.ratio_ci95.map_or(String::new(), |[lo, hi]| format!(
+                    " (95% interval {:.1}% to {:.1}%, a bootstrap over seeds)",
+                    lo * 100.0,
+                    hi * 100.0
+                ))
             ),
             _ => println!(
                 "{:<12} at x = {:.4e} (loss {:.4}): the baseline's fit never reaches this loss",
@@ -429,6 +511,50 @@ mod tests {
     }
 
     #[test]
+    fn seeds_give_the_ratio_an_interval_that_holds_the_truth_and_narrows_with_the_noise() {
+        let base = Fit {
+            e: 2.0,
+            a: 50.0,
+            alpha: 0.3,
+            e_err: None,
+            a_err: None,
+            alpha_err: None,
+            points: 0,
+        };
+        let sizes = [1e8, 3e8, 1e9, 3e9, 1e10];
+        let mut rng = diffzoo_datasets::Rng::new(3);
+        let mut width = Vec::new();
+        for noise in [0.01, 0.001] {
+            // Four seeds per size around laws 60% apart, independent noise per run.
+            let mut seeds = |law: &dyn Fn(f64) -> f64| -> Vec<(f64, f64)> {
+                sizes
+                    .iter()
+                    .flat_map(|&x| {
+                        (0..4)
+                            .map(|_| (x, law(x) + noise * (rng.below(2001) as f64 / 1000.0 - 1.0)))
+                            .collect::<Vec<_>>()
+                    })
+                    .collect()
+            };
+            let points: BTreeMap<String, Vec<(f64, f64)>> = [
+                ("transformer".to_string(), seeds(&|x| base.loss(x))),
+                ("diff".to_string(), seeds(&|x| base.loss(x / 0.6))),
+            ]
+            .into();
+            let report = report(points, "params").unwrap();
+            assert_eq!(report.matches.len(), sizes.len(), "one comparison per size");
+            let middle = &report.matches[2];
+            let [lo, hi] = middle.ratio_ci95.expect("an interval from four seeds");
+            assert!(
+                lo <= 0.6 && 0.6 <= hi && lo <= middle.ratio.unwrap(),
+                "{middle:?}"
+            );
+            width.push(hi - lo);
+        }
+        assert!(width[1] < width[0] / 3.0, "{width:?}");
+    }
+
+    #[test]
     fn the_matching_baseline_size_inverts_the_law() {
         let law = |e: f64, a: f64, alpha: f64| Fit {
             e,
@@ -460,6 +586,7 @@ mod tests {
         let report = report(points, "params").unwrap();
         for m in &report.matches {
             assert!((m.ratio.unwrap() - 0.6).abs() < 1e-3, "{m:?}");
+            assert_eq!(m.ratio_ci95, None, "one seed per size: no interval");
         }
         let svg = svg(&report);
         assert!(

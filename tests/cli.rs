@@ -1284,6 +1284,13 @@ fn sweep_over_seeds_summarises_each_recipe_with_an_interval() {
     for attention in ["diff", "transformer"] {
         assert_eq!(fit["fits"][attention]["points"], 9, "{fit}");
     }
+    // One comparison per size, each with a bootstrap interval over the seeds.
+    let matches = fit["matches"].as_array().unwrap();
+    assert_eq!(matches.len(), 3, "{fit}");
+    for m in matches.iter().filter(|m| !m["ratio"].is_null()) {
+        let [lo, hi] = [0, 1].map(|i| m["ratio_ci95"][i].as_f64().unwrap());
+        assert!(lo < hi, "{m}");
+    }
     let err = fails(&[
         "sweep",
         path(&recipes),
