@@ -8,7 +8,7 @@
 
 use crate::plot::{self, Chart, Series};
 use crate::run;
-use crate::sweep::summarize;
+use crate::sweep::{seed_dirs, summarize};
 use anyhow::{Result, bail};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -107,11 +107,23 @@ fn linear_fit(z: &[f64], y: &[f64]) -> (f64, f64, f64) {
     (e, a, rss)
 }
 
+/// The losses of `points` at each size (x), sizes ascending, each size's in the points' order.
+fn by_size(points: &[(f64, f64)]) -> Vec<(f64, Vec<f64>)> {
+    let mut sorted = points.to_vec();
+    sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut groups: Vec<(f64, Vec<f64>)> = Vec::new();
+    for (x, loss) in sorted {
+        match groups.last_mut() {
+            Some((gx, losses)) if *gx == x => losses.push(loss),
+            _ => groups.push((x, vec![loss])),
+        }
+    }
+    groups
+}
+
 /// Fits `L(x) = E + A·x^(−α)` to the points.
 pub fn fit(points: &[(f64, f64)]) -> Result<Fit> {
-    let mut sizes: Vec<f64> = points.iter().map(|p| p.0).collect();
-    sizes.sort_by(f64::total_cmp);
-    sizes.dedup();
+    let sizes = by_size(points);
     if sizes.len() < 3 {
         bail!(
             "a scaling fit needs at least 3 sizes, got {} point(s) at {} size(s)",
@@ -238,18 +250,9 @@ fn collect(sweeps: &[PathBuf], axis: &str) -> Result<BTreeMap<String, Vec<(f64, 
                     return vec![dir];
                 }
                 // A sweep over seeds: RUN/seed-N, each seed a point.
-                std::fs::read_dir(&dir)
-                    .map(|entries| {
-                        entries
-                            .filter_map(|e| e.ok().map(|e| e.path()))
-                            .filter(|p| {
-                                p.file_name()
-                                    .is_some_and(|n| n.to_string_lossy().starts_with("seed-"))
-                                    && p.join(run::RECIPE).exists()
-                            })
-                            .collect()
-                    })
-                    .unwrap_or_default()
+                let mut seeds = seed_dirs(&dir);
+                seeds.retain(|seed| seed.join(run::RECIPE).exists());
+                seeds
             });
         for dir in runs {
             let Ok(summary) = summarize(&dir, &dir.display().to_string()) else {
@@ -295,10 +298,8 @@ pub fn report(points: BTreeMap<String, Vec<(f64, f64)>>, axis: &str) -> Result<R
         .filter(|(a, _)| a.as_str() != "transformer")
         .flat_map(|(attention, series)| {
             let f = fits[attention];
-            // One comparison per size (seeds repeat sizes); the series is sorted by size.
-            let mut sizes: Vec<f64> = series.iter().map(|p| p.0).collect();
-            sizes.dedup();
-            sizes.into_iter().map(move |x| {
+            // One comparison per size (seeds repeat sizes).
+            by_size(series).into_iter().map(move |(x, _)| {
                 let x = &x;
                 let loss = f.loss(*x);
                 let baseline_x = baseline.and_then(|b| b.x_at(loss));
@@ -336,19 +337,9 @@ fn ratio_intervals(
     points: &BTreeMap<String, Vec<(f64, f64)>>,
     at: &[(String, f64)],
 ) -> Vec<Option<[f64; 2]>> {
-    // Each architecture's losses by size (the series are sorted by size).
     let groups: BTreeMap<&String, Vec<(f64, Vec<f64>)>> = points
         .iter()
-        .map(|(attention, series)| {
-            let mut groups: Vec<(f64, Vec<f64>)> = Vec::new();
-            for &(x, loss) in series {
-                match groups.last_mut() {
-                    Some((gx, losses)) if *gx == x => losses.push(loss),
-                    _ => groups.push((x, vec![loss])),
-                }
-            }
-            (attention, groups)
-        })
+        .map(|(attention, series)| (attention, by_size(series)))
         .collect();
     let seeded = groups
         .values()

@@ -113,7 +113,9 @@ pub struct SeedSummary {
 /// One run of a sweep.
 #[derive(Debug, Clone)]
 struct Member {
-    /// The run directory under the sweep's (`RECIPE` or `RECIPE/seed-N`).
+    /// The recipe's directory under the sweep's.
+    run: String,
+    /// The run directory under the sweep's (`RUN`, or `RUN/seed-N` in a sweep over seeds).
     name: String,
     /// The `--recipe` argument.
     recipe: String,
@@ -132,6 +134,7 @@ fn members(args: &SweepArgs) -> Result<Vec<Member>> {
         recipes
             .into_iter()
             .map(|(name, recipe)| Member {
+                run: name.clone(),
                 name,
                 recipe,
                 seed: None,
@@ -142,13 +145,34 @@ fn members(args: &SweepArgs) -> Result<Vec<Member>> {
             .iter()
             .flat_map(|(name, recipe)| {
                 args.seeds.iter().map(move |&seed| Member {
-                    name: format!("{name}/seed-{seed}"),
+                    run: name.clone(),
+                    name: format!("{name}/{SEED_PREFIX}{seed}"),
                     recipe: recipe.clone(),
                     seed: Some(seed),
                 })
             })
             .collect()
     })
+}
+
+/// How the directory of each seed of a run begins: `RUN/seed-N`.
+const SEED_PREFIX: &str = "seed-";
+
+/// The directories of a run's seeds (`RUN/seed-N`), sorted.
+pub fn seed_dirs(run: &Path) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(run)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.is_dir()
+                && p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with(SEED_PREFIX))
+        })
+        .collect();
+    dirs.sort();
+    dirs
 }
 
 /// The recipes of a sweep: (name for the run directory, `--recipe` argument).
@@ -313,7 +337,7 @@ pub fn run(args: &SweepArgs) -> Result<Outcome> {
         .out
         .clone()
         .unwrap_or_else(|| Path::new("runs").join(args.sweep.trim_end_matches('/')));
-    check_layout(args, &out)?;
+    check_layout(args, &members, &out)?;
     if args.status {
         return status(args, &members, &out).map(|()| Outcome::Done);
     }
@@ -380,16 +404,11 @@ pub fn run(args: &SweepArgs) -> Result<Outcome> {
 /// Refuses to mix the layouts in one sweep directory: a sweep without seeds over runs with
 /// seeds (it would take RUN for an unfinished run of its own and clear it) and one with seeds
 /// inside runs without (their seeds would hide in a run directory).
-fn check_layout(args: &SweepArgs, out: &Path) -> Result<()> {
-    for (name, _) in recipes(&args.sweep)? {
-        let dir = out.join(&name);
+fn check_layout(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
+    for member in members {
+        let dir = out.join(&member.run);
         if args.seeds.is_empty() {
-            let seeded = std::fs::read_dir(&dir)
-                .into_iter()
-                .flatten()
-                .flatten()
-                .any(|e| e.file_name().to_string_lossy().starts_with("seed-") && e.path().is_dir());
-            if seeded && !dir.join(run::RECIPE).exists() {
+            if !seed_dirs(&dir).is_empty() && !dir.join(run::RECIPE).exists() {
                 bail!(
                     "{}: holds runs over seeds (seed-N): give this sweep its --seeds, or another --out",
                     dir.display()
@@ -485,10 +504,7 @@ const SEEDS: &str = "seeds.json";
 fn over_seeds(members: &[Member], rows: &[RunSummary]) -> Result<Vec<SeedSummary>> {
     let mut out: Vec<(SeedSummary, Vec<f64>)> = Vec::new();
     for member in members {
-        let recipe = member
-            .name
-            .rsplit_once("/seed-")
-            .map_or(member.name.as_str(), |(r, _)| r);
+        let recipe = member.run.as_str();
         if out.iter().all(|(s, _)| s.recipe != recipe) {
             let resolved = recipe::resolve(&member.recipe, &[])?.recipe;
             let derived = resolved.derived();

@@ -12,7 +12,7 @@ use crate::recipe::Recipe;
 use crate::run::{self, RunEnd};
 use crate::train::checkpoint;
 use crate::train::lock::{self, Holder};
-use crate::train::step::clock;
+use crate::train::step::{clock, eta};
 use anyhow::{Result, bail};
 use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers};
 use ratatui::layout::{Constraint, Layout};
@@ -395,7 +395,10 @@ impl Pace {
 
     fn eta(&self, left: usize) -> Option<f64> {
         let ((s0, e0), (s1, e1)) = (self.first?, self.last?);
-        (s1 > s0 && e1 > e0).then(|| (e1 - e0) / (s1 - s0) as f64 * left as f64)
+        if e1 <= e0 {
+            return None;
+        }
+        eta(s1.saturating_sub(s0), left, e1 - e0)
     }
 }
 
@@ -406,10 +409,10 @@ const HEADER: [&str; 8] = [
 /// The cells of a row, as the table and the dashboard show them.
 fn cells(r: &RunRow) -> [String; 8] {
     let number = |v: Option<f64>, digits: usize| v.map_or("-".into(), |v| format!("{v:.digits$}"));
-    let state = match (&r.detail, r.state.as_str()) {
-        (_, "finished" | "not started") | (None, _) => r.state.clone(),
-        (Some(detail), "running") => format!("running ({detail})"),
-        (Some(_), _) => r.state.clone(),
+    // Where a run runs is short enough for the table; why one failed goes under it.
+    let state = match (r.state.as_str(), &r.detail) {
+        ("running", Some(detail)) => format!("running ({detail})"),
+        _ => r.state.clone(),
     };
     let state = if r.resumable {
         format!("{state}, resumable")

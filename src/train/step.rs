@@ -401,7 +401,7 @@ impl InferenceStep for Trainee {
 
 /// Seconds until `left` more steps are done, at the pace of the `done` steps that took
 /// `seconds` (none before that pace is known).
-fn eta(done: usize, left: usize, seconds: f64) -> Option<f64> {
+pub fn eta(done: usize, left: usize, seconds: f64) -> Option<f64> {
     (done > 0).then(|| seconds / done as f64 * left as f64)
 }
 
