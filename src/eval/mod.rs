@@ -133,18 +133,11 @@ impl Loaded {
                 .collect();
             let batch = LmBatcher.batch(items, &self.device);
             let [n, s] = batch.targets.dims();
-            let nll = target_log_probs(model.forward(batch.inputs), batch.targets)
-                .neg()
-                .mean_dim(1)
-                .reshape([n]);
-            per_window.extend(
-                nll.into_data()
-                    .convert::<f32>()
-                    .try_into_vec::<f32>()
-                    .expect("f32 values")
-                    .into_iter()
-                    .map(f64::from),
-            );
+            per_window.extend(f64_values(
+                token_nll(model, batch.inputs, batch.targets)
+                    .mean_dim(1)
+                    .reshape([n]),
+            ));
             tokens += (n * s) as u64;
         }
         // Every window has the same length: the mean over tokens is the mean over windows.
@@ -159,6 +152,23 @@ pub fn target_log_probs(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<2>
     log_softmax(logits.cast(DType::F32), 2)
         .gather(2, targets.unsqueeze_dim::<3>(2))
         .reshape([b, s])
+}
+
+/// Per-token negative log-likelihoods `[B, S]` (f32) of `targets` under `model`.
+pub fn token_nll(model: &Model, inputs: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<2> {
+    target_log_probs(model.forward(inputs), targets).neg()
+}
+
+/// A float tensor's values, read as f32, as f64.
+pub fn f64_values<const D: usize>(tensor: Tensor<D>) -> Vec<f64> {
+    tensor
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .expect("f32 values")
+        .into_iter()
+        .map(f64::from)
+        .collect()
 }
 
 /// Token ids as one sequence, `[1, S]`.

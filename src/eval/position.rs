@@ -3,13 +3,11 @@
 //! each `NLL(i)` averaged over validation windows of the run's context length. A model that uses
 //! long context well keeps lowering `C(t)` as `t` grows.
 
-use super::{Common, Loaded, emit, target_log_probs};
+use super::{Common, Loaded, emit, token_nll};
 use crate::plot::{self, Chart, Series};
 use anyhow::Result;
 use burn::data::dataloader::batcher::Batcher;
-use burn::tensor::Tensor;
 use diffzoo_datasets::LmBatcher;
-use diffzoo_models::Model;
 use serde::Serialize;
 use std::path::PathBuf;
 
@@ -33,15 +31,6 @@ pub struct NllByPosition {
     pub nll: Vec<f64>,
     /// The cumulative average up to and including each position.
     pub cumulative: Vec<f64>,
-}
-
-/// Per-token negative log-likelihoods `[B, S]` (f32) of `targets` under `model`.
-pub fn token_nll(
-    model: &Model,
-    inputs: Tensor<2, burn::tensor::Int>,
-    targets: Tensor<2, burn::tensor::Int>,
-) -> Tensor<2> {
-    target_log_probs(model.forward(inputs), targets).neg()
 }
 
 /// `C(t) = mean(nll[..=t])`.

@@ -2,7 +2,7 @@
 //! NLL of every token of given token-id sequences (how parity with another framework is checked
 //! without any tokenizer).
 
-use super::{Common, Loaded, emit, id_tensor, target_log_probs};
+use super::{Common, Loaded, emit, f64_values, id_tensor, target_log_probs};
 use crate::{device, run, stats};
 use anyhow::{Context, Result, anyhow, bail};
 use diffzoo_datasets::Shards;
@@ -118,7 +118,7 @@ fn score_tokens(common: &Common, path: &Path) -> Result<()> {
     let (model, weights) = run::load_model(&common.run, &recipe, &device)?;
     let nll: Vec<Vec<f64>> = sequences
         .iter()
-        .map(|ids| token_nll(&model, ids, &device))
+        .map(|ids| sequence_nll(&model, ids, &device))
         .collect();
     let count: usize = nll.iter().map(Vec::len).sum();
     let result = TokenNll {
@@ -180,17 +180,9 @@ fn read_tokens(path: &Path, vocab: usize, context: usize) -> Result<Vec<Vec<u32>
 
 /// −log p(ids[t+1] | ids[≤t]) for every t: the forward pass in the device's dtype, the
 /// log-softmax in f32.
-fn token_nll(model: &Model, ids: &[u32], device: &burn::tensor::Device) -> Vec<f64> {
+fn sequence_nll(model: &Model, ids: &[u32], device: &burn::tensor::Device) -> Vec<f64> {
     let logits = model
         .forward(id_tensor(ids, device))
         .narrow(1, 0, ids.len() - 1);
-    target_log_probs(logits, id_tensor(&ids[1..], device))
-        .neg()
-        .into_data()
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .expect("f32 values")
-        .into_iter()
-        .map(f64::from)
-        .collect()
+    f64_values(target_log_probs(logits, id_tensor(&ids[1..], device)).neg())
 }
