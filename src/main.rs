@@ -134,6 +134,8 @@ enum EvalCommand {
     Needle(eval::needle::NeedleArgs),
     /// Attention on the answer span versus the rest of the context (Table 3).
     Attention(eval::attention::AttentionArgs),
+    /// Multi-query associative recall accuracy and attention, by pairs, distractors and distance.
+    Recall(eval::recall::RecallArgs),
     /// Top and median magnitudes of attention logits and hidden states (Table 5).
     Outliers(eval::outliers::OutlierArgs),
     /// Loss (and retrieval) with attention logits quantised to fewer bits (Fig. 8).
@@ -201,6 +203,7 @@ fn dispatch(cli: Cli) -> Result<Outcome> {
             EvalCommand::NllPosition(args) => eval::position::run(&args),
             EvalCommand::Needle(args) => eval::needle::run(&args),
             EvalCommand::Attention(args) => eval::attention::run(&args),
+            EvalCommand::Recall(args) => eval::recall::run(&args),
             EvalCommand::Outliers(args) => eval::outliers::run(&args),
             EvalCommand::Quant(args) => eval::quant::run(&args),
             EvalCommand::Lambda(args) => eval::lambda::run(&args),

@@ -147,6 +147,20 @@ pub struct DataSection {
     pub seq_len: usize,
     /// Mix synthetic needle-retrieval documents into the training windows.
     pub needles: Option<NeedleSection>,
+    /// Mix multi-query associative recall documents into the training windows.
+    pub recall: Option<RecallSection>,
+}
+
+/// The associative-recall training mixture (training keys only; validation stays plain text).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RecallSection {
+    /// Share of training windows replaced by recall documents.
+    pub fraction: f64,
+    /// Each document holds 1 to this many key–value pairs, all of them asked about.
+    pub max_pairs: usize,
+    /// Each document puts 0 to this many tokens of text between consecutive pairs.
+    pub max_distractors: usize,
 }
 
 /// The needle-retrieval training mixture (training cities only; validation stays plain text).
@@ -484,6 +498,9 @@ impl Recipe {
                 ));
             }
         }
+        if let Some(r) = &self.data.recall {
+            self.validate_recall(r)?;
+        }
         let tok = self.data.tokenizer.as_deref();
         let corpus = &self.data.corpus;
         if corpus == diffzoo_datasets::corpus::EMBEDDED && tok.is_none() {
@@ -496,6 +513,47 @@ impl Recipe {
         {
             return Err(format!(
                 "`data.tokenizer` = {tok:?} must be unset for a shard directory (`data.corpus` = {corpus:?}): the shards' tokenizer is used"
+            ));
+        }
+        Ok(())
+    }
+
+    /// The recall mixture fits the vocabulary and the windows, and is the run's only mixture.
+    fn validate_recall(&self, r: &RecallSection) -> std::result::Result<(), String> {
+        use diffzoo_datasets::recall::{Layout, MAX_PAIRS, MIN_VOCAB, RESERVED};
+        if self.data.needles.is_some() {
+            return Err(
+                "`data.needles` and `data.recall` cannot both be mixed into one run: keep one"
+                    .into(),
+            );
+        }
+        if !(0.0..=1.0).contains(&r.fraction) {
+            return Err(format!(
+                "`data.recall.fraction` = {} must lie in [0, 1]",
+                r.fraction
+            ));
+        }
+        if !(1..=MAX_PAIRS).contains(&r.max_pairs) {
+            return Err(format!(
+                "`data.recall.max_pairs` = {} must lie in [1, {MAX_PAIRS}]",
+                r.max_pairs
+            ));
+        }
+        if self.model.vocab_size < MIN_VOCAB {
+            return Err(format!(
+                "`data.recall` reserves the top {RESERVED} token ids: `model.vocab_size` = {} must be at least {MIN_VOCAB}",
+                self.model.vocab_size
+            ));
+        }
+        let longest = Layout {
+            distractors: r.max_distractors,
+            distance: 0,
+        }
+        .length(r.max_pairs);
+        if longest > self.data.seq_len {
+            return Err(format!(
+                "`data.recall.max_pairs` = {} with `data.recall.max_distractors` = {} makes documents of {longest} tokens, longer than `data.seq_len` = {}",
+                r.max_pairs, r.max_distractors, self.data.seq_len
             ));
         }
         Ok(())

@@ -2069,3 +2069,188 @@ fn slurm_scripts_are_written_and_bad_requests_named() {
         assert!(script.contains(line), "{line}:\n{script}");
     }
 }
+
+/// `eval recall` on a run (intervals over its prompts) and on a sweep's seeds (intervals over
+/// the seeds), and what it refuses; `compare` of two runs over seeds.
+#[test]
+fn eval_recall_and_compare_measure_runs_over_seeds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipes = tmp.path().join("recipes");
+    std::fs::create_dir_all(&recipes).unwrap();
+    std::fs::write(
+        recipes.join("recall.toml"),
+        "extends = \"micro-recall\"\ndescription = \"micro recall\"\n",
+    )
+    .unwrap();
+    std::fs::write(
+        recipes.join("recall-transformer.toml"),
+        "extends = \"micro-recall\"\ndescription = \"micro recall, baseline\"\n\
+         [model]\nattention = \"transformer\"\n",
+    )
+    .unwrap();
+    let out = tmp.path().join("sweep");
+    ok(&[
+        "sweep",
+        path(&recipes),
+        "--out",
+        path(&out),
+        "--seeds",
+        "1,2",
+    ]);
+    let run = out.join("recall");
+    fn args(run: &str) -> Vec<&str> {
+        vec![
+            "eval",
+            "recall",
+            "--run",
+            run,
+            "--pairs",
+            "1,4",
+            "--distractors",
+            "0,4",
+            "--distances",
+            "0,8",
+            "--samples",
+            "3",
+            "--json",
+        ]
+    }
+    let seeds = json(&args(path(&run)));
+    assert_eq!(seeds["interval_over"], "seeds");
+    assert_eq!(seeds["weights"].as_array().unwrap().len(), 2);
+    assert_eq!(seeds["length"], 128);
+    let cells = seeds["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 8);
+    assert_eq!(
+        (
+            &cells[7]["pairs"],
+            &cells[7]["distractors"],
+            &cells[7]["distance"]
+        ),
+        (&Value::from(4), &Value::from(4), &Value::from(8))
+    );
+    for c in cells {
+        let accuracy = &c["accuracy"];
+        assert_eq!(accuracy["n"], 2, "{c}");
+        assert!(
+            (0.0..=1.0).contains(&accuracy["mean"].as_f64().unwrap()),
+            "{c}"
+        );
+        let [lo, hi] = [0, 1].map(|i| accuracy["ci95"][i].as_f64().unwrap());
+        assert!(
+            lo <= accuracy["mean"].as_f64().unwrap() && accuracy["mean"].as_f64().unwrap() <= hi
+        );
+        let (a, n) = (
+            c["answer_attention"]["mean"].as_f64().unwrap(),
+            c["noise_attention"]["mean"].as_f64().unwrap(),
+        );
+        assert!(a.abs() < 1.0 && n.abs() < 1.0 && a + n < 1.0, "{c}");
+    }
+    // One seed: intervals over its prompts, the same prompts.
+    let one = json(&args(path(&run.join("seed-1"))));
+    assert_eq!(one["interval_over"], "prompts");
+    assert_eq!(one["cells"][0]["accuracy"]["n"], 3);
+    assert_eq!(one, json(&args(path(&run.join("seed-1")))));
+
+    let refused = |extra: &[&str]| {
+        let mut a = vec!["eval", "recall", "--run", path(&run)];
+        a.extend_from_slice(extra);
+        fails(&a)
+    };
+    let err = refused(&["--pairs", "33"]);
+    assert!(err.contains("--pairs: 33 is outside 1..=32"), "{err}");
+    let err = refused(&["--pairs", "16", "--distractors", "4"]);
+    assert!(
+        err.contains("--pairs 16 with --distractors 4 and --distances 0 take 156 tokens, more than a prompt of 128"),
+        "{err}"
+    );
+    let err = refused(&["--length", "200"]);
+    assert!(err.contains("exceed the model's context of 128"), "{err}");
+    // A recipe whose vocabulary cannot hold the reserved ids, or with both mixtures.
+    let err = fails(&[
+        "train",
+        "--recipe",
+        "micro-recall",
+        "--set",
+        "model.vocab_size=512",
+        "--out",
+        path(&tmp.path().join("small")),
+    ]);
+    assert!(
+        err.contains("`model.vocab_size` = 512 must be at least 1024"),
+        "{err}"
+    );
+    let err = fails(&[
+        "train",
+        "--recipe",
+        "micro-recall",
+        "--set",
+        "data.needles.fraction=0.5",
+        "--out",
+        path(&tmp.path().join("both")),
+    ]);
+    assert!(err.contains("`data.needles` and `data.recall`"), "{err}");
+
+    // compare: the analyses on each side's first seed, the loss difference over both seeds.
+    let report = tmp.path().join("report");
+    ok(&[
+        "compare",
+        path(&run),
+        path(&out.join("recall-transformer")),
+        "--out",
+        path(&report),
+        "--samples",
+        "1",
+        "--needles",
+        "1",
+        "--queries",
+        "1",
+        "--depths",
+        "0",
+        "--lengths",
+        "128",
+        "--digits",
+        "2",
+        "--attention-samples",
+        "1",
+        "--attention-needles",
+        "1",
+        "--outlier-tokens",
+        "64",
+        "--max-batches",
+        "2",
+        "--position-windows",
+        "2",
+        "--bits",
+        "8",
+    ]);
+    let md = std::fs::read_to_string(report.join("report.md")).unwrap();
+    let results: Value =
+        serde_json::from_str(&std::fs::read_to_string(report.join("results.json")).unwrap())
+            .unwrap();
+    let mean = |i: usize| {
+        let seeds = results[i]["seed_losses"].as_array().unwrap();
+        assert_eq!(seeds[0][0], "seed-1");
+        assert_eq!(
+            seeds[0][1], results[i]["ppl"]["loss"],
+            "the first seed analysed"
+        );
+        seeds.iter().map(|s| s[1].as_f64().unwrap()).sum::<f64>() / seeds.len() as f64
+    };
+    let prefix = "Validation loss over seeds, recall − recall-transformer: ";
+    let line = md
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no difference over seeds:\n{md}"));
+    let shown: f64 = line[prefix.len()..]
+        .split(' ')
+        .next()
+        .and_then(|d| d.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(
+        (shown - (mean(0) - mean(1))).abs() < 1.5e-4
+            && line.contains("(95% interval ")
+            && line.contains("paired by seed over 2 seeds"),
+        "{line}"
+    );
+}

@@ -3,8 +3,8 @@
 //! The data side of diffzoo: the embedded corpus ([`corpus`]), tokenizers ([`tokenizer`], and
 //! [`tiktoken`] rank files converted), reading text inputs ([`input`]: text, JSON lines, Parquet),
 //! token shards ([`shards`])
-//! and training windows with an exactly resumable order ([`windows`]), and the
-//! needle-in-a-haystack retrieval task ([`needle`]).
+//! and training windows with an exactly resumable order ([`windows`]), and two retrieval tasks:
+//! needle in a haystack ([`needle`]) and multi-query associative recall ([`recall`]).
 
 pub mod corpus;
 pub mod error;
@@ -12,6 +12,7 @@ pub mod input;
 pub mod needle;
 pub mod parquet_text;
 pub mod parts;
+pub mod recall;
 pub mod rng;
 pub mod shards;
 pub mod tiktoken;

@@ -1,5 +1,10 @@
 //! `diffzoo compare RUN_A RUN_B`: every analysis on both runs, written as one Markdown report
 //! with its figures and the raw results (`report.md`, `*.svg`, `results.json` in `--out`).
+//!
+//! A run directory of seeds (`RUN/seed-N`, from `sweep --seeds`) is analysed on its first seed,
+//! and its validation loss is measured on every seed: the report then gives the difference of
+//! the mean losses with its 95% interval over seeds (paired by seed when both sides have the
+//! same seeds, which saw the same data order; Welch's otherwise).
 
 use super::attention::{self, AttentionAllocation};
 use super::lambda::{self, Lambdas};
@@ -11,6 +16,7 @@ use super::quant::{self, Quantization};
 use super::{Loaded, Values, list};
 use crate::plot;
 use crate::stats;
+use crate::sweep::seed_dirs;
 use anyhow::{Context, Result};
 use diffzoo_models::AttentionKind;
 use serde::Serialize;
@@ -61,9 +67,13 @@ pub struct RunReport {
     pub outliers: Outliers,
     pub quant: Quantization,
     pub lambda: Option<Lambdas>,
+    /// A run over seeds: each seed's directory name and validation loss (empty for one run).
+    pub seed_losses: Vec<(String, f64)>,
 }
 
-fn measure(args: &CompareArgs, grid: &GridArgs, dir: &Path, name: &str) -> Result<RunReport> {
+fn measure(args: &CompareArgs, grid: &GridArgs, run: &Path, name: &str) -> Result<RunReport> {
+    let seeds = seed_dirs(run);
+    let dir = seeds.first().map_or(run, PathBuf::as_path);
     let loaded = Loaded::open(dir, &args.device)?;
     eprintln!("{name}: {}", loaded.weights);
     let grid = grid.resolve(&loaded)?;
@@ -91,6 +101,22 @@ fn measure(args: &CompareArgs, grid: &GridArgs, dir: &Path, name: &str) -> Resul
         AttentionKind::Transformer => None,
         _ => Some(lambda::measure(&loaded, dir)?),
     };
+    let mut seed_losses = Vec::with_capacity(seeds.len());
+    for (i, seed) in seeds.iter().enumerate() {
+        let loss = if i == 0 {
+            ppl.loss
+        } else {
+            step(&format!("validation loss of {}", seed.display()));
+            ppl::measure(
+                &Loaded::open(seed, &args.device)?,
+                None,
+                Some(args.max_batches),
+            )?
+            .loss
+        };
+        let seed_name = seed.file_name().unwrap_or_default().to_string_lossy();
+        seed_losses.push((seed_name.into_owned(), loss));
+    }
     Ok(RunReport {
         name: name.to_string(),
         run: dir.display().to_string(),
@@ -103,6 +129,7 @@ fn measure(args: &CompareArgs, grid: &GridArgs, dir: &Path, name: &str) -> Resul
         outliers,
         quant,
         lambda,
+        seed_losses,
     })
 }
 
@@ -143,6 +170,9 @@ pub fn report(runs: &[RunReport; 2], command: &str) -> String {
         format!("{:.2}", r.ppl.perplexity)
     });
     let _ = writeln!(s, "\n{}", loss_difference(a, b));
+    if let Some(line) = seed_difference((&a.name, &a.seed_losses), (&b.name, &b.seed_losses)) {
+        let _ = writeln!(s, "\n{line}");
+    }
 
     let _ = writeln!(s, "\n## NLL by position (Fig. 4)\n");
     let _ = writeln!(
@@ -333,13 +363,58 @@ pub fn loss_difference(a: &RunReport, b: &RunReport) -> String {
             ),
         )
     };
+    let seeds = if a.seed_losses.is_empty() && b.seed_losses.is_empty() {
+        "another training seed moves each run's loss too, which one run per side cannot show \
+         (`sweep --seeds` makes runs over seeds, which compare takes)"
+    } else {
+        "another training seed moves each run's loss too: see the difference over seeds below"
+    };
     format!(
         "Validation loss {} − {}: {} ({windows}). The interval holds evaluation noise only: \
-         another training seed moves each run's loss too, which one run per side cannot show.",
+         {seeds}.",
         a.name,
         b.name,
         difference.describe(4),
     )
+}
+
+/// The difference of the mean validation losses over seeds, A − B, with its 95% interval:
+/// paired by seed when both sides have the same seeds, else Welch's. `None` unless both sides
+/// are runs over seeds. Each side: its name and its (seed, loss) pairs.
+pub fn seed_difference(a: (&str, &[(String, f64)]), b: (&str, &[(String, f64)])) -> Option<String> {
+    if a.1.is_empty() || b.1.is_empty() {
+        return None;
+    }
+    let losses = |side: &[(String, f64)]| side.iter().map(|s| s.1).collect::<Vec<f64>>();
+    let (la, lb) = (losses(a.1), losses(b.1));
+    let same_seeds = a.1.iter().map(|s| &s.0).eq(b.1.iter().map(|s| &s.0));
+    let (difference, how) = if same_seeds {
+        (
+            stats::paired(&la, &lb),
+            format!("paired by seed over {} seeds", la.len()),
+        )
+    } else {
+        (
+            stats::welch(&la, &lb),
+            format!("Welch's, over {} and {} seeds", la.len(), lb.len()),
+        )
+    };
+    let mean = |name: &str, l: &[f64]| {
+        let e = stats::estimate(l);
+        match e.sd {
+            Some(sd) => format!("{name} {:.4} ± {sd:.4} (sd)", e.mean),
+            None => format!("{name} {:.4}", e.mean),
+        }
+    };
+    Some(format!(
+        "Validation loss over seeds, {} − {}: {} ({how}; means {}, {}). The other sections \
+         analyse the first seed of each side.",
+        a.0,
+        b.0,
+        difference.describe(4),
+        mean(a.0, &la),
+        mean(b.0, &lb),
+    ))
 }
 
 pub fn run(args: &CompareArgs) -> Result<()> {
@@ -387,4 +462,45 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         .with_context(|| format!("writing {}", out("results.json").display()))?;
     println!("wrote {}", out("report.md").display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::seed_difference;
+
+    fn seeds(names: &[&str], losses: &[f64]) -> Vec<(String, f64)> {
+        names
+            .iter()
+            .map(|n| n.to_string())
+            .zip(losses.iter().copied())
+            .collect()
+    }
+
+    #[test]
+    fn seeds_pair_when_both_sides_have_the_same_ones_and_one_seed_gives_no_interval() {
+        let a = seeds(&["seed-1", "seed-2", "seed-3"], &[3.0, 3.2, 3.1]);
+        let b = seeds(&["seed-1", "seed-2", "seed-3"], &[3.1, 3.3, 3.2]);
+        let line = seed_difference(("a", &a), ("b", &b)).unwrap();
+        // Every paired difference is −0.1: a zero-width interval that excludes 0.
+        assert!(
+            line.contains("a − b: -0.1000 (95% interval -0.1000 to -0.1000)")
+                && line.contains("paired by seed over 3 seeds")
+                && line.contains("a 3.1000 ± 0.1000 (sd)"),
+            "{line}"
+        );
+        let c = seeds(&["seed-4", "seed-5"], &[3.0, 3.4]);
+        let line = seed_difference(("a", &a), ("c", &c)).unwrap();
+        assert!(
+            line.contains("Welch's, over 3 and 2 seeds")
+                && line.contains("no detectable difference"),
+            "{line}"
+        );
+        let one = seeds(&["seed-1"], &[3.0]);
+        let line = seed_difference(("a", &one), ("b", &one.clone())).unwrap();
+        assert!(
+            line.contains("+0.0000 (no interval from one value)"),
+            "{line}"
+        );
+        assert!(seed_difference(("a", &a), ("d", &[])).is_none());
+    }
 }

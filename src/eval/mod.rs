@@ -21,6 +21,7 @@ pub mod outliers;
 pub mod position;
 pub mod ppl;
 pub mod quant;
+pub mod recall;
 
 use crate::{device, recipe::Recipe, run};
 use anyhow::{Result, bail};

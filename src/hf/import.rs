@@ -153,6 +153,7 @@ fn recipe_of(
             tokenizer: tokenizer.then(|| out.join(run::TOKENIZER).display().to_string()),
             seq_len,
             needles: None,
+            recall: None,
         },
         optimizer: OptimizerSection::default(),
         schedule: ScheduleSection::default(),

@@ -20,6 +20,7 @@ use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
 use burn::data::dataset::DatasetError;
 use burn::tensor::Device;
 use diffzoo_datasets::needle::NeedleMix;
+use diffzoo_datasets::recall::RecallMix;
 use diffzoo_datasets::{LmBatch, LmBatcher, SampleOrder, TokenWindows};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -42,12 +43,20 @@ enum Epochs {
     Fixed,
 }
 
+/// Synthetic documents that replace some training windows (a recipe's `data.needles` or
+/// `data.recall`).
+#[derive(Debug)]
+pub enum Mixture {
+    Needles(NeedleMix),
+    Recall(RecallMix),
+}
+
 #[derive(Clone)]
 pub struct StepLoader {
     windows: Arc<TokenWindows>,
     order: SampleOrder,
-    /// Training only: the needle documents replacing some windows.
-    needles: Option<Arc<NeedleMix>>,
+    /// Training only: the synthetic documents replacing some windows.
+    mixture: Option<Arc<Mixture>>,
     /// Sequences per item.
     sequences: usize,
     micro_batch: usize,
@@ -80,7 +89,7 @@ impl StepLoader {
         Self {
             windows,
             order,
-            needles: None,
+            mixture: None,
             sequences,
             micro_batch,
             intervals,
@@ -104,7 +113,7 @@ impl StepLoader {
         Self {
             windows,
             order,
-            needles: None,
+            mixture: None,
             sequences: micro_batch,
             micro_batch,
             intervals: Intervals {
@@ -122,9 +131,9 @@ impl StepLoader {
         }
     }
 
-    /// Replaces the windows `mix` chooses by its needle documents.
-    pub fn with_needles(mut self, mix: NeedleMix) -> Self {
-        self.needles = Some(Arc::new(mix));
+    /// Replaces the windows `mixture` chooses by its documents.
+    pub fn with_mixture(mut self, mixture: Mixture) -> Self {
+        self.mixture = Some(Arc::new(mixture));
         self
     }
 
@@ -151,12 +160,17 @@ impl StepLoader {
 
     /// The sample at `position` of the training stream.
     fn sample(&self, position: u64) -> Vec<u32> {
-        match &self.needles {
-            Some(mix) if mix.chooses(position) => mix
-                .window(position, &self.windows, self.windows.seq_len() + 1)
-                .unwrap_or_else(|e| panic!("needle document {position}: {e}")),
-            _ => self.windows.window(self.order.sample(position)),
-        }
+        let len = self.windows.seq_len() + 1;
+        let made = match self.mixture.as_deref() {
+            Some(Mixture::Needles(mix)) if mix.chooses(position) => {
+                mix.window(position, &self.windows, len)
+            }
+            Some(Mixture::Recall(mix)) if mix.chooses(position) => {
+                mix.window(position, &self.windows, len)
+            }
+            _ => return self.windows.window(self.order.sample(position)),
+        };
+        made.unwrap_or_else(|e| panic!("synthetic document {position}: {e}"))
     }
 
     /// The first step and the number of steps of `epoch`.

@@ -43,8 +43,9 @@ use burn::train::{ExecutionStrategy, Interrupter, Learner, LearningResult, Super
 use checkpoint::{CheckpointWriter, Verified};
 use control::Intervals;
 use diffzoo_datasets::needle::NeedleMix;
+use diffzoo_datasets::recall::{RecallMix, Vocabulary};
 use diffzoo_datasets::{Split, TextTokenizer, TokenWindows};
-use loader::StepLoader;
+use loader::{Mixture, StepLoader};
 use metrics::{MetricsLog, StatMetric, StepMetric};
 use schedule::{Schedule, ScheduleState};
 use std::io::IsTerminal;
@@ -344,12 +345,7 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
         .eval_batches
         .min(valid.len() as usize / micro);
 
-    let needles = recipe
-        .data
-        .needles
-        .as_ref()
-        .map(|needles| needle_mix(recipe, needles, &tokenizer))
-        .transpose()?;
+    let mixture = mixture(recipe, &tokenizer)?;
     let train_device = device.clone().autodiff();
     train_device.seed(recipe.training.seed);
     let model = match (&recipe.training.init_from, args.resume) {
@@ -438,8 +434,8 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
         device.clone(),
     )
     .with_control(context.control.clone());
-    if let Some(mix) = needles {
-        train_loader = train_loader.with_needles(mix);
+    if let Some(mixture) = mixture {
+        train_loader = train_loader.with_mixture(mixture);
     }
     let strategy = if ranks == 1 {
         ExecutionStrategy::single(train_device)
@@ -547,6 +543,26 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
     run::save_final(&dir, &model.model)?;
     println!("done: {}", dir.join(run::FINAL_MODEL).display());
     Ok(Outcome::Done)
+}
+
+/// The recipe's synthetic documents, if any, checked to fit its windows.
+fn mixture(recipe: &Recipe, tokenizer: &TextTokenizer) -> Result<Option<Mixture>> {
+    if let Some(needles) = &recipe.data.needles {
+        return Ok(Some(Mixture::Needles(needle_mix(
+            recipe, needles, tokenizer,
+        )?)));
+    }
+    let Some(recall) = &recipe.data.recall else {
+        return Ok(None);
+    };
+    Ok(Some(Mixture::Recall(RecallMix {
+        vocab: Vocabulary::new(recipe.model.vocab_size)
+            .context("`data.recall` with `model.vocab_size`")?,
+        fraction: recall.fraction,
+        max_pairs: recall.max_pairs,
+        max_distractors: recall.max_distractors,
+        seed: recipe.training.seed,
+    })))
 }
 
 /// The recipe's needle mixture, checked to fit its windows.
