@@ -161,6 +161,18 @@ pub struct RecallSection {
     pub max_pairs: usize,
     /// Each document puts 0 to this many tokens of text between consecutive pairs.
     pub max_distractors: usize,
+    /// What the loss scores in a recall document: `"all"` its tokens, or `"answers"` only its
+    /// queried values (as Zoology trains MQAR; the other windows are scored whole).
+    #[serde(default)]
+    pub loss: RecallLoss,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RecallLoss {
+    #[default]
+    All,
+    Answers,
 }
 
 /// The needle-retrieval training mixture (training cities only; validation stays plain text).
@@ -341,6 +353,11 @@ impl Recipe {
             ("model.ffn_dim", m.ffn_dim.unwrap_or(0) as u64, 1 << 22),
             ("model.attention_block", m.attention_block as u64, 1 << 24),
             ("data.seq_len", self.data.seq_len as u64, 1 << 24),
+            (
+                "data.recall.max_distractors",
+                self.data.recall.as_ref().map_or(0, |r| r.max_distractors) as u64,
+                1 << 24,
+            ),
             ("training.steps", t.steps.unwrap_or(0) as u64, 1 << 40),
             ("training.tokens", t.tokens.unwrap_or(0), 1 << 56),
             ("training.batch_tokens", t.batch_tokens as u64, 1 << 40),
@@ -520,7 +537,7 @@ impl Recipe {
 
     /// The recall mixture fits the vocabulary and the windows, and is the run's only mixture.
     fn validate_recall(&self, r: &RecallSection) -> std::result::Result<(), String> {
-        use diffzoo_datasets::recall::{Layout, MAX_PAIRS, MIN_VOCAB, RESERVED};
+        use diffzoo_datasets::recall::{MAX_PAIRS, MIN_VOCAB, RESERVED, longest};
         if self.data.needles.is_some() {
             return Err(
                 "`data.needles` and `data.recall` cannot both be mixed into one run: keep one"
@@ -545,11 +562,7 @@ impl Recipe {
                 self.model.vocab_size
             ));
         }
-        let longest = Layout {
-            distractors: r.max_distractors,
-            distance: 0,
-        }
-        .length(r.max_pairs);
+        let longest = longest(r.max_pairs, r.max_distractors).unwrap_or(usize::MAX);
         if longest > self.data.seq_len {
             return Err(format!(
                 "`data.recall.max_pairs` = {} with `data.recall.max_distractors` = {} makes documents of {longest} tokens, longer than `data.seq_len` = {}",

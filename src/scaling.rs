@@ -8,7 +8,7 @@
 
 use crate::plot::{self, Chart, Series};
 use crate::run;
-use crate::sweep::{seed_dirs, summarize};
+use crate::sweep::{run_seeds, summarize};
 use anyhow::{Result, bail};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -250,9 +250,7 @@ fn collect(sweeps: &[PathBuf], axis: &str) -> Result<BTreeMap<String, Vec<(f64, 
                     return vec![dir];
                 }
                 // A sweep over seeds: RUN/seed-N, each seed a point.
-                let mut seeds = seed_dirs(&dir);
-                seeds.retain(|seed| seed.join(run::RECIPE).exists());
-                seeds
+                run_seeds(&dir)
             });
         for dir in runs {
             let Ok(summary) = summarize(&dir, &dir.display().to_string()) else {

@@ -158,21 +158,33 @@ fn members(args: &SweepArgs) -> Result<Vec<Member>> {
 /// How the directory of each seed of a run begins: `RUN/seed-N`.
 const SEED_PREFIX: &str = "seed-";
 
-/// The directories of a run's seeds (`RUN/seed-N`), sorted.
+/// The directories of a run's seeds (`RUN/seed-N`), in the order of their seeds.
 pub fn seed_dirs(run: &Path) -> Vec<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(run)
+    let mut dirs: Vec<(u64, PathBuf)> = std::fs::read_dir(run)
         .into_iter()
         .flatten()
         .flatten()
         .map(|e| e.path())
-        .filter(|p| {
-            p.is_dir()
-                && p.file_name()
-                    .is_some_and(|n| n.to_string_lossy().starts_with(SEED_PREFIX))
+        .filter(|p| p.is_dir())
+        .filter_map(|p| {
+            let name = p.file_name()?.to_string_lossy().into_owned();
+            let seed = name.strip_prefix(SEED_PREFIX)?.parse().ok()?;
+            Some((seed, p))
         })
         .collect();
     dirs.sort();
-    dirs
+    dirs.into_iter().map(|(_, p)| p).collect()
+}
+
+/// The seeds of a run over seeds (`RUN/seed-N` holding runs, `RUN` holding none itself); empty
+/// for a plain run.
+pub fn run_seeds(run: &Path) -> Vec<PathBuf> {
+    if run.join(run::RECIPE).exists() {
+        return Vec::new();
+    }
+    let mut seeds = seed_dirs(run);
+    seeds.retain(|seed| seed.join(run::RECIPE).exists());
+    seeds
 }
 
 /// The recipes of a sweep: (name for the run directory, `--recipe` argument).

@@ -2149,8 +2149,27 @@ fn eval_recall_and_compare_measure_runs_over_seeds() {
     // One seed: intervals over its prompts, the same prompts.
     let one = json(&args(path(&run.join("seed-1"))));
     assert_eq!(one["interval_over"], "prompts");
+    assert_eq!(one["keys"], "eval");
     assert_eq!(one["cells"][0]["accuracy"]["n"], 3);
     assert_eq!(one, json(&args(path(&run.join("seed-1")))));
+    // Training keys: other prompts, said so.
+    let seed_1 = run.join("seed-1");
+    let mut on_train = args(path(&seed_1));
+    on_train.extend(["--keys", "train"]);
+    let train = json(&on_train);
+    assert_eq!(train["keys"], "train");
+    assert_eq!(train["cells"].as_array().unwrap().len(), 8);
+    // Defaults fit the run's 128 tokens: 1, 2, 4 pairs × 0, 2, 4, 8 distractors.
+    let defaults = json(&[
+        "eval",
+        "recall",
+        "--run",
+        path(&run),
+        "--samples",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(defaults["cells"].as_array().unwrap().len(), 12);
 
     let refused = |extra: &[&str]| {
         let mut a = vec!["eval", "recall", "--run", path(&run)];

@@ -401,9 +401,7 @@ impl NeedleMix {
     ) -> Result<Vec<u32>> {
         let mut needles = draw(rng, cities, n, self.digits)?;
         let mut order: Vec<usize> = (0..needles.len()).collect();
-        for i in (1..order.len()).rev() {
-            order.swap(i, rng.below(i as u64 + 1) as usize);
-        }
+        rng.shuffle(&mut order);
         loop {
             let mut questions = Vec::new();
             let mut needle_tokens = 0;

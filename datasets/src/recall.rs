@@ -56,14 +56,19 @@ impl Vocabulary {
     pub fn new(vocab_size: usize) -> Result<Self> {
         if !(MIN_VOCAB..=u32::MAX as usize).contains(&vocab_size) {
             return Err(DataError::Invalid(format!(
-                "associative recall reserves the top {} token ids: a vocabulary of {vocab_size} \
-                 must hold at least {MIN_VOCAB}",
-                RESERVED
+                "associative recall reserves the top {RESERVED} token ids: a vocabulary of \
+                 {vocab_size} must hold between {MIN_VOCAB} and {} ids",
+                u32::MAX
             )));
         }
         Ok(Self {
             first: vocab_size as u32 - RESERVED,
         })
+    }
+
+    /// The first reserved id; every id from it to the vocabulary's end is a key token or a value.
+    pub fn first_reserved(&self) -> u32 {
+        self.first
     }
 
     /// The key made of first token `i` and second token `j` (each below [`KEY_TOKENS`]).
@@ -132,9 +137,7 @@ pub fn draw(rng: &mut Rng, vocab: &Vocabulary, split: KeySplit, n: usize) -> Res
 /// `0..n` in a random order.
 fn shuffled(rng: &mut Rng, n: u32) -> Vec<u32> {
     let mut items: Vec<u32> = (0..n).collect();
-    for i in (1..items.len()).rev() {
-        items.swap(i, rng.below(i as u64 + 1) as usize);
-    }
+    rng.shuffle(&mut items);
     items
 }
 
@@ -148,10 +151,24 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// Tokens of a document of `pairs` pairs, all queried, without filler.
-    pub fn length(&self, pairs: usize) -> usize {
-        6 * pairs + pairs.saturating_sub(1) * self.distractors + self.distance
+    /// Tokens of a document of `pairs` pairs, all queried, without filler; `None` past `usize`.
+    pub fn length(&self, pairs: usize) -> Option<usize> {
+        pairs
+            .saturating_sub(1)
+            .checked_mul(self.distractors)?
+            .checked_add(self.distance)?
+            .checked_add(pairs.checked_mul(6)?)
     }
+}
+
+/// The longest training document of up to `max_pairs` pairs and `max_distractors` tokens
+/// between pairs (no filler, no distance); `None` past `usize`.
+pub fn longest(max_pairs: usize, max_distractors: usize) -> Option<usize> {
+    Layout {
+        distractors: max_distractors,
+        distance: 0,
+    }
+    .length(max_pairs)
 }
 
 /// A queried pair in a document.
@@ -182,16 +199,29 @@ pub fn document(
     text: &[u32],
     len: usize,
 ) -> Result<RecallDocument> {
-    let needed = layout.length(pairs.len());
-    if needed > len {
+    let mut sorted = order.to_vec();
+    sorted.sort_unstable();
+    if !sorted.iter().copied().eq(0..pairs.len()) {
         return Err(DataError::Invalid(format!(
-            "{} recall pairs with {} distractors between pairs and {} tokens before the queries \
-             take {needed} tokens, more than {len}",
-            pairs.len(),
-            layout.distractors,
-            layout.distance
+            "the query order {order:?} is not a permutation of the {} pairs",
+            pairs.len()
         )));
     }
+    let needed = layout.length(pairs.len()).filter(|&n| n <= len);
+    let Some(needed) = needed else {
+        return Err(DataError::Invalid(format!(
+            "{} recall pairs with {} distractors between pairs and {} tokens before the queries \
+             take {}, more than {len}",
+            pairs.len(),
+            layout.distractors,
+            layout.distance,
+            layout
+                .length(pairs.len())
+                .map_or("more tokens than can be counted".into(), |n| format!(
+                    "{n} tokens"
+                ))
+        )));
+    };
     let text_tokens = len - 6 * pairs.len();
     if text.len() < text_tokens {
         return Err(DataError::Invalid(format!(
@@ -230,6 +260,18 @@ pub fn document(
     })
 }
 
+impl RecallDocument {
+    /// Over the document's next-token targets (`tokens[1..]`), which are queried values: the
+    /// targets a loss on answers only scores.
+    pub fn answer_targets(&self) -> Vec<bool> {
+        let mut scored = vec![false; self.tokens.len() - 1];
+        for q in &self.queries {
+            scored[q.answer - 1] = true;
+        }
+        scored
+    }
+}
+
 /// A random order of `n` queries.
 pub fn query_order(rng: &mut Rng, n: usize) -> Vec<usize> {
     shuffled(rng, n as u32)
@@ -248,46 +290,48 @@ pub struct RecallMix {
     pub fraction: f64,
     pub max_pairs: usize,
     pub max_distractors: usize,
+    /// Score only the queried values of these documents (as Zoology trains), not every token.
+    pub answers_only: bool,
     pub seed: u64,
 }
 
 impl RecallMix {
-    /// The longest document, which a window must hold.
-    pub fn longest(&self) -> usize {
-        Layout {
-            distractors: self.max_distractors,
-            distance: 0,
-        }
-        .length(self.max_pairs)
-    }
-
     /// Whether the sample at stream `position` is a recall document.
     pub fn chooses(&self, position: u64) -> bool {
         Rng::for_item(self.seed ^ 0x7265_6361_6C6C, position).uniform() < self.fraction
     }
 
     /// The recall document at stream `position`, `len` tokens.
-    pub fn window(&self, position: u64, windows: &TokenWindows, len: usize) -> Result<Vec<u32>> {
+    pub fn window(
+        &self,
+        position: u64,
+        windows: &TokenWindows,
+        len: usize,
+    ) -> Result<RecallDocument> {
         let mut rng = Rng::for_item(self.seed ^ 0x6B65_7973, position);
         let mut text = Vec::new();
         while text.len() < len {
             text.extend(windows.window(rng.below(windows.len())));
         }
         let pairs = 1 + rng.below(self.max_pairs as u64) as usize;
-        let distractors = rng.below(self.max_distractors as u64 + 1) as usize;
+        let distractors = rng.below((self.max_distractors as u64).saturating_add(1)) as usize;
         let mut layout = Layout {
             distractors,
             distance: 0,
         };
-        let spare = len.checked_sub(layout.length(pairs)).ok_or_else(|| {
-            DataError::Invalid(format!(
-                "a window of {len} tokens cannot hold {pairs} recall pairs"
-            ))
-        })?;
+        let spare = layout
+            .length(pairs)
+            .and_then(|n| len.checked_sub(n))
+            .ok_or_else(|| {
+                DataError::Invalid(format!(
+                    "a window of {len} tokens cannot hold {pairs} recall pairs with {distractors} \
+                     tokens between them"
+                ))
+            })?;
         layout.distance = rng.below(spare as u64 + 1) as usize;
         let drawn = draw(&mut rng, &self.vocab, KeySplit::Train, pairs)?;
         let order = query_order(&mut rng, pairs);
-        Ok(document(&drawn, &order, layout, &text, len)?.tokens)
+        document(&drawn, &order, layout, &text, len)
     }
 }
 

@@ -28,6 +28,13 @@ impl Rng {
     pub fn below(&mut self, n: u64) -> u64 {
         ((self.next_u64() as u128 * n as u128) >> 64) as u64
     }
+
+    /// Puts `items` in a uniformly random order (Fisher–Yates).
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            items.swap(i, self.below(i as u64 + 1) as usize);
+        }
+    }
 }
 
 pub fn splitmix(x: u64) -> u64 {

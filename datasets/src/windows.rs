@@ -143,6 +143,30 @@ impl Dataset<Vec<u32>> for WindowSlice {
 pub struct LmBatch {
     pub inputs: Tensor<2, Int>,
     pub targets: Tensor<2, Int>,
+    /// Which targets the loss scores (1) and which it skips (0), `[B, S]`; `None`: all.
+    pub scored: Option<Tensor<2>>,
+}
+
+impl LmBatch {
+    /// Scores, in each window, only the targets its row of `scored` marks (`None`: all of that
+    /// window's); every window must have at least one scored target.
+    pub fn scoring(mut self, scored: &[Option<Vec<bool>>]) -> Self {
+        let [b, s] = self.targets.dims();
+        assert_eq!(scored.len(), b, "a row of flags per window");
+        let flags: Vec<f32> = scored
+            .iter()
+            .flat_map(|row| match row {
+                Some(row) => {
+                    assert!(row.len() == s && row.contains(&true), "{s} flags, one set");
+                    row.iter().map(|&f| f as u8 as f32).collect()
+                }
+                None => vec![1.0; s],
+            })
+            .collect();
+        let device = self.targets.device();
+        self.scored = Some(Tensor::from_data(TensorData::new(flags, [b, s]), &device));
+        self
+    }
 }
 
 /// Turns windows of `seq_len + 1` tokens into an [`LmBatch`].
@@ -162,6 +186,7 @@ impl Batcher<Vec<u32>, LmBatch> for LmBatcher {
         LmBatch {
             inputs: part(|w| &w[..w.len() - 1]),
             targets: part(|w| &w[1..]),
+            scored: None,
         }
     }
 }

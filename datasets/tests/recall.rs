@@ -2,7 +2,7 @@
 //! the one asked for, and training never sees an evaluation key.
 
 use diffzoo_datasets::recall::{
-    KeySplit, Layout, MAX_PAIRS, Pair, RecallMix, Vocabulary, document, draw, query_order,
+    self, KeySplit, Layout, MAX_PAIRS, Pair, RecallMix, Vocabulary, document, draw, query_order,
 };
 use diffzoo_datasets::shards::prepare;
 use diffzoo_datasets::{
@@ -47,7 +47,7 @@ fn answers_stand_where_the_document_says_in_the_layout_asked_for() {
             distractors: rng.below(20) as usize,
             distance: rng.below(50) as usize,
         };
-        let len = layout.length(n) + rng.below(30) as usize;
+        let len = layout.length(n).unwrap() + rng.below(30) as usize;
         let pairs = draw(&mut rng, &vocab, split, n).unwrap();
         let order = query_order(&mut rng, n);
         let doc = document(&pairs, &order, layout, &text, len).unwrap();
@@ -81,7 +81,7 @@ fn answers_stand_where_the_document_says_in_the_layout_asked_for() {
         // Filler, distractors and distance: text in order, the amounts asked.
         let mut spans: Vec<_> = doc.queries.iter().map(|q| q.pair.clone()).collect();
         spans.sort_by_key(|s| s.start);
-        assert_eq!(spans[0].start, len - layout.length(n));
+        assert_eq!(spans[0].start, len - layout.length(n).unwrap());
         for w in spans.windows(2) {
             assert_eq!(w[1].start - w[0].end, layout.distractors);
         }
@@ -119,6 +119,23 @@ fn documents_that_cannot_fit_and_pair_counts_out_of_range_are_refused() {
     assert!(e.to_string().contains("59 tokens, more than 58"), "{e}");
     let e = document(&pairs, &[0, 1, 2, 3], layout, &[1; 10], 59).unwrap_err();
     assert!(e.to_string().contains("35 tokens of text, 10 given"), "{e}");
+    for order in [&[0, 1, 2][..], &[0, 1, 2, 2], &[0, 1, 2, 4]] {
+        let e = document(&pairs, order, layout, &[1; 1000], 80).unwrap_err();
+        assert!(
+            e.to_string().contains("not a permutation of the 4 pairs"),
+            "{e}"
+        );
+    }
+    let huge = Layout {
+        distractors: usize::MAX,
+        distance: 0,
+    };
+    assert_eq!(huge.length(3), None);
+    let e = document(&pairs, &[0, 1, 2, 3], huge, &[1; 1000], 80).unwrap_err();
+    assert!(
+        e.to_string().contains("more tokens than can be counted"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -132,9 +149,10 @@ fn training_windows_recall_their_own_pairs_with_training_keys_only() {
         fraction: 0.4,
         max_pairs: 12,
         max_distractors: 8,
+        answers_only: true,
         seed: 3,
     };
-    assert!(mix.longest() < seq_len);
+    assert!(recall::longest(mix.max_pairs, mix.max_distractors).unwrap() < seq_len);
     let chosen = (0..500).filter(|&p| mix.chooses(p)).count();
     assert!(
         (160..240).contains(&chosen),
@@ -142,9 +160,14 @@ fn training_windows_recall_their_own_pairs_with_training_keys_only() {
     );
     let (mut pair_counts, mut gaps) = (HashSet::new(), HashSet::new());
     for position in (0..500).filter(|&p| mix.chooses(p)).take(100) {
-        let tokens = mix.window(position, &windows, seq_len + 1).unwrap();
+        let doc = mix.window(position, &windows, seq_len + 1).unwrap();
+        assert_eq!(doc, mix.window(position, &windows, seq_len + 1).unwrap());
+        let tokens = doc.tokens.clone();
         assert_eq!(tokens.len(), seq_len + 1);
-        assert_eq!(tokens, mix.window(position, &windows, seq_len + 1).unwrap());
+        // The scored targets are exactly the queried values.
+        let scored: Vec<usize> = (0..seq_len).filter(|&t| doc.answer_targets()[t]).collect();
+        let answers: Vec<usize> = doc.queries.iter().map(|q| q.answer - 1).collect();
+        assert_eq!(scored, answers);
         // The reserved ids, in order: key tokens and values (the text is below 400).
         let reserved: Vec<(usize, u32)> = tokens
             .iter()

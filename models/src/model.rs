@@ -220,3 +220,11 @@ impl Model {
         }
     }
 }
+
+/// `log p(targets[b][t])` under `logits` `[B, S, vocab]` (the log-softmax in f32): `[B, S]`.
+pub fn target_log_probs(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<2> {
+    let [b, s, _] = logits.dims();
+    burn::tensor::activation::log_softmax(logits.cast(burn::tensor::DType::F32), 2)
+        .gather(2, targets.unsqueeze_dim::<3>(2))
+        .reshape([b, s])
+}

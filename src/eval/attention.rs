@@ -9,8 +9,9 @@ use super::needle::sample;
 use super::{Common, Loaded, Values, emit, list};
 use anyhow::{Result, bail};
 use burn::tensor::{Int, Tensor, TensorData};
-use diffzoo_models::allocation;
+use diffzoo_models::{Allocation, ModelProbe, allocation};
 use serde::Serialize;
+use std::ops::Range;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct AttentionArgs {
@@ -111,17 +112,9 @@ pub fn measure(
             );
             let probe = loaded.model.forward_probe(input);
             let span = s.context.answers[0].span.clone();
-            let layers = probe.layers.len() as f64;
-            for layer in probe.layers {
-                let a = allocation(
-                    layer.attention.effective,
-                    prompt.len() - 1,
-                    span.clone(),
-                    0..s.context.tokens.len(),
-                );
-                answer += a.answer / layers;
-                noise += a.noise / layers;
-            }
+            let a = mean_allocation(&probe, prompt.len() - 1, span, 0..s.context.tokens.len());
+            answer += a.answer;
+            noise += a.noise;
         }
         rows.push(DepthAllocation {
             depth,
@@ -137,6 +130,32 @@ pub fn measure(
         samples,
         depths: rows,
     })
+}
+
+/// The attention of position `row` on `answer` and on the rest of `context`, averaged over the
+/// probe's layers (and, within each, its heads).
+pub fn mean_allocation(
+    probe: &ModelProbe,
+    row: usize,
+    answer: Range<usize>,
+    context: Range<usize>,
+) -> Allocation {
+    let layers = probe.layers.len() as f64;
+    let (mut on_answer, mut noise) = (0.0, 0.0);
+    for layer in &probe.layers {
+        let a = allocation(
+            layer.attention.effective.clone(),
+            row,
+            answer.clone(),
+            context.clone(),
+        );
+        on_answer += a.answer / layers;
+        noise += a.noise / layers;
+    }
+    Allocation {
+        answer: on_answer,
+        noise,
+    }
 }
 
 pub fn run(args: &AttentionArgs) -> Result<()> {

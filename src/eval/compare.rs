@@ -16,7 +16,7 @@ use super::quant::{self, Quantization};
 use super::{Loaded, Values, list};
 use crate::plot;
 use crate::stats;
-use crate::sweep::seed_dirs;
+use crate::sweep::run_seeds;
 use anyhow::{Context, Result};
 use diffzoo_models::AttentionKind;
 use serde::Serialize;
@@ -72,7 +72,7 @@ pub struct RunReport {
 }
 
 fn measure(args: &CompareArgs, grid: &GridArgs, run: &Path, name: &str) -> Result<RunReport> {
-    let seeds = seed_dirs(run);
+    let seeds = run_seeds(run);
     let dir = seeds.first().map_or(run, PathBuf::as_path);
     let loaded = Loaded::open(dir, &args.device)?;
     eprintln!("{name}: {}", loaded.weights);
@@ -363,9 +363,9 @@ pub fn loss_difference(a: &RunReport, b: &RunReport) -> String {
             ),
         )
     };
-    let seeds = if a.seed_losses.is_empty() && b.seed_losses.is_empty() {
-        "another training seed moves each run's loss too, which one run per side cannot show \
-         (`sweep --seeds` makes runs over seeds, which compare takes)"
+    let seeds = if a.seed_losses.is_empty() || b.seed_losses.is_empty() {
+        "another training seed moves each run's loss too, which needs runs over seeds on both \
+         sides to show (`sweep --seeds` makes them, and compare takes them)"
     } else {
         "another training seed moves each run's loss too: see the difference over seeds below"
     };

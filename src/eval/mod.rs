@@ -8,6 +8,7 @@
 //! | `nll-position` | cumulative average NLL by token position                    | Fig. 4      |
 //! | `needle`       | multi-needle retrieval accuracy per (N, R, depth, length)   | Table 2, Fig. 5 |
 //! | `attention`    | attention on the answer span versus the rest of the context | Table 3     |
+//! | `recall`       | associative recall accuracy and attention, by distractors    |             |
 //! | `outliers`     | top-k and median of |attention logits| and |hidden states|   | Table 5     |
 //! | `quant`        | loss (and retrieval) with attention logits at 16/8/6/4 bits | Fig. 8      |
 //! | `lambda`       | λ of every layer across the run's checkpoints               |             |
@@ -26,10 +27,10 @@ pub mod recall;
 use crate::{device, recipe::Recipe, run};
 use anyhow::{Result, bail};
 use burn::data::dataloader::batcher::Batcher;
-use burn::tensor::activation::log_softmax;
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use diffzoo_datasets::{LmBatcher, Shards, Split, TextTokenizer, TokenStream, TokenWindows};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use diffzoo_datasets::{LmBatcher, Rng, Shards, Split, TextTokenizer, TokenStream, TokenWindows};
 use diffzoo_models::Model;
+pub use diffzoo_models::target_log_probs;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
@@ -147,14 +148,6 @@ impl Loaded {
     }
 }
 
-/// `log p(targets[b][t])` under `logits` `[B, S, vocab]` (the log-softmax in f32): `[B, S]`.
-pub fn target_log_probs(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<2> {
-    let [b, s, _] = logits.dims();
-    log_softmax(logits.cast(DType::F32), 2)
-        .gather(2, targets.unsqueeze_dim::<3>(2))
-        .reshape([b, s])
-}
-
 /// Per-token negative log-likelihoods `[B, S]` (f32) of `targets` under `model`.
 pub fn token_nll(model: &Model, inputs: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<2> {
     target_log_probs(model.forward(inputs), targets).neg()
@@ -170,6 +163,18 @@ pub fn f64_values<const D: usize>(tensor: Tensor<D>) -> Vec<f64> {
         .into_iter()
         .map(f64::from)
         .collect()
+}
+
+/// `len` tokens from a random place of `text` (a held-out split), refusing a split too short.
+pub fn random_text(text: &TokenStream, rng: &mut Rng, len: usize) -> Result<Vec<u32>> {
+    if text.len() < len as u64 {
+        bail!(
+            "the validation split ({} tokens) is shorter than the {len} tokens of text a prompt needs",
+            text.len()
+        );
+    }
+    let start = rng.below(text.len() - len as u64 + 1);
+    Ok(text.read(start, len))
 }
 
 /// Token ids as one sequence, `[1, S]`.

@@ -12,7 +12,7 @@
 //! is the share of its R answers found; a cell's accuracy the mean over samples. Everything is a
 //! pure function of `--seed`, so two runs with the same tokenizer see the same prompts.
 
-use super::{Common, Loaded, Values, emit, list};
+use super::{Common, Loaded, Values, emit, list, random_text};
 use crate::plot::{self, Heatmap};
 use anyhow::{Result, bail};
 use burn::tensor::{Int, Tensor, TensorData};
@@ -164,14 +164,7 @@ pub fn sample(
         bail!("a prompt of {length} tokens cannot hold a question and answer of {longest}");
     }
     let context_len = length - longest;
-    if haystack.len() < context_len as u64 {
-        bail!(
-            "the validation split ({} tokens) is shorter than a context of {context_len}",
-            haystack.len()
-        );
-    }
-    let start = rng.below(haystack.len() - context_len as u64 + 1);
-    let hay = haystack.read(start, context_len);
+    let hay = random_text(haystack, &mut rng, context_len)?;
     let context = place(tok, &hay, drawn, queries, depth, context_len, &mut rng)
         .map_err(|e| anyhow::anyhow!("needle prompt of {length} tokens: {e}"))?;
     let prompts = asked

@@ -1,4 +1,4 @@
-//! `diffzoo eval recall`: multi-query associative recall on evaluation keys only (the task and
+//! `diffzoo eval recall`: multi-query associative recall on evaluation keys (the task and
 //! its prompt layout are in [`diffzoo_datasets::recall`]), by cell of (pairs, distractor tokens
 //! between pairs, distance from the last pair to the queries).
 //!
@@ -13,18 +13,21 @@
 //!
 //! A run directory of seeds (`RUN/seed-N`, from `sweep --seeds`) is measured seed by seed on the
 //! same prompts; a cell then reports the mean over seeds with a 95% t interval over the seeds'
-//! values (each of which carries its own prompts' sampling noise). A single run's interval is
-//! over its prompts. Prompts are a pure function of `--seed`.
+//! values. The prompts being shared, that interval holds the spread between trained models, not
+//! the choice of prompts (more `--samples` shrink that). A single run's interval is over its
+//! prompts. All seeds must be measured at the same stage (all final, or all at one step). Prompts are a pure function of `--seed`. `--keys train` asks training keys
+//! instead: retrieval that works there but not on evaluation keys has not generalised.
 
-use super::{Common, Loaded, Values, emit, list};
+use super::attention::mean_allocation;
+use super::{Common, Loaded, Values, emit, list, random_text};
+use crate::run::Weights;
 use crate::stats::{self, Estimate};
-use crate::sweep::seed_dirs;
+use crate::sweep::run_seeds;
 use anyhow::{Context, Result, bail};
 use diffzoo_datasets::recall::{
     KeySplit, Layout, MAX_PAIRS, RecallDocument, Vocabulary, document, draw, query_order,
 };
 use diffzoo_datasets::{Rng, TokenStream};
-use diffzoo_models::allocation;
 use serde::Serialize;
 use std::path::Path;
 
@@ -33,10 +36,10 @@ pub struct RecallArgs {
     #[command(flatten)]
     pub common: Common,
     /// Key–value pairs in each prompt, all of them asked about.
-    #[arg(long, default_value = "2,4,8", value_parser = list::<usize>)]
+    #[arg(long, default_value = "1,2,4", value_parser = list::<usize>)]
     pub pairs: Values<usize>,
     /// Tokens of text between consecutive pairs.
-    #[arg(long, default_value = "0,4,8,16", value_parser = list::<usize>)]
+    #[arg(long, default_value = "0,2,4,8", value_parser = list::<usize>)]
     pub distractors: Values<usize>,
     /// Tokens of text between the last pair and the first query.
     #[arg(long, default_value = "0", value_parser = list::<usize>)]
@@ -49,6 +52,26 @@ pub struct RecallArgs {
     pub samples: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Which keys the prompts use: `eval` (never trained on) or `train` (the training keys, to
+    /// tell retrieval that fails to generalise to new keys from no retrieval at all).
+    #[arg(long, value_enum, default_value_t = Keys::Eval)]
+    pub keys: Keys,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Keys {
+    Eval,
+    Train,
+}
+
+impl Keys {
+    fn split(self) -> KeySplit {
+        match self {
+            Keys::Eval => KeySplit::Eval,
+            Keys::Train => KeySplit::Train,
+        }
+    }
 }
 
 /// One cell's prompts: their accuracies and attention shares.
@@ -73,22 +96,37 @@ pub struct Recall {
     pub length: usize,
     pub samples: usize,
     pub seed: u64,
+    pub keys: Keys,
     pub cells: Vec<Cell>,
 }
 
 pub fn run(args: &RecallArgs) -> Result<()> {
     let run_dir = &args.common.run;
-    let seeds = seed_dirs(run_dir);
+    let seeds = run_seeds(run_dir);
     let dirs = if seeds.is_empty() {
         vec![run_dir.clone()]
     } else {
         seeds
     };
-    let mut measured = Vec::with_capacity(dirs.len());
+    let mut measured: Vec<Seed> = Vec::with_capacity(dirs.len());
     for dir in &dirs {
         let loaded = Loaded::open(dir, &args.common.device)?;
+        let stage = stage(&loaded.weights);
+        if let Some(first) = measured.first()
+            && first.stage != stage
+        {
+            bail!(
+                "{}: its seeds are at different stages ({} of {}, {stage} of {}): measure them \
+                 once all have finished",
+                run_dir.display(),
+                first.stage,
+                dirs[0].display(),
+                dir.display()
+            );
+        }
         let cells = measure(&loaded, args).with_context(|| format!("{}", dir.display()))?;
         measured.push(Seed {
+            stage,
             weights: loaded.weights.to_string(),
             attention: loaded.recipe.model.attention.to_string(),
             length: args.length.unwrap_or(loaded.recipe.data.seq_len),
@@ -99,8 +137,18 @@ pub fn run(args: &RecallArgs) -> Result<()> {
     emit(args.common.json, &result, Recall::print)
 }
 
+/// How far a run's weights are: `final`, or the step of a checkpoint.
+fn stage(weights: &Weights) -> String {
+    match weights {
+        Weights::Final(_) => "final".into(),
+        Weights::Checkpoint(c, _) => format!("step {}", c.step),
+        Weights::File(path) => format!("file {}", path.display()),
+    }
+}
+
 /// One run's (or seed's) measurements.
 struct Seed {
+    stage: String,
     weights: String,
     attention: String,
     length: usize,
@@ -136,17 +184,29 @@ fn measure(loaded: &Loaded, args: &RecallArgs) -> Result<Vec<Measured>> {
     let vocab = Vocabulary::new(loaded.recipe.model.vocab_size)?;
     let cells = cells(args);
     for &(pairs, layout) in &cells {
-        let needed = layout.length(pairs);
-        if needed > length {
+        if layout.length(pairs).is_none_or(|n| n > length) {
             bail!(
-                "--pairs {pairs} with --distractors {} and --distances {} take {needed} tokens, \
-                 more than a prompt of {length}",
+                "--pairs {pairs} with --distractors {} and --distances {} take {}, more than a \
+                 prompt of {length} (--length)",
                 layout.distractors,
-                layout.distance
+                layout.distance,
+                layout
+                    .length(pairs)
+                    .map_or("more tokens than can be counted".into(), |n| format!(
+                        "{n} tokens"
+                    ))
             );
         }
     }
     let text = loaded.validation()?;
+    let most_text = length - 6 * args.pairs.iter().min().copied().unwrap_or(1);
+    if text.len() < most_text as u64 {
+        bail!(
+            "the validation split ({} tokens) is shorter than the {most_text} tokens of text a \
+             prompt of {length} tokens (--length) needs",
+            text.len()
+        );
+    }
     let mut out = Vec::with_capacity(cells.len());
     for (pairs, layout) in cells {
         let mut cell = Measured {
@@ -158,7 +218,7 @@ fn measure(loaded: &Loaded, args: &RecallArgs) -> Result<Vec<Measured>> {
             noise: Vec::new(),
         };
         for index in 0..args.samples {
-            let doc = prompt(&vocab, &text, pairs, layout, length, args.seed, index)?;
+            let doc = prompt(&vocab, &text, (pairs, layout), length, args, index)?;
             let (accuracy, answer, noise) = score(loaded, &doc);
             cell.accuracy.push(accuracy);
             cell.answer.push(answer);
@@ -192,27 +252,20 @@ fn cells(args: &RecallArgs) -> Vec<(usize, Layout)> {
 fn prompt(
     vocab: &Vocabulary,
     text: &TokenStream,
-    pairs: usize,
-    layout: Layout,
+    (pairs, layout): (usize, Layout),
     length: usize,
-    seed: u64,
+    args: &RecallArgs,
     index: usize,
 ) -> Result<RecallDocument> {
     let cell = [pairs, layout.distractors, layout.distance, length]
         .iter()
-        .fold(seed, |h, &v| diffzoo_datasets::rng::splitmix(h ^ v as u64));
+        .fold(args.seed, |h, &v| {
+            diffzoo_datasets::rng::splitmix(h ^ v as u64)
+        });
     let mut rng = Rng::for_item(cell, index as u64);
-    let drawn = draw(&mut rng, vocab, KeySplit::Eval, pairs)?;
+    let drawn = draw(&mut rng, vocab, args.keys.split(), pairs)?;
     let order = query_order(&mut rng, pairs);
-    let needed = (length - 6 * pairs) as u64;
-    if text.len() < needed {
-        bail!(
-            "the validation split ({} tokens) is shorter than the {needed} tokens of text a prompt needs",
-            text.len()
-        );
-    }
-    let start = rng.below(text.len() - needed + 1);
-    let text = text.read(start, needed as usize);
+    let text = random_text(text, &mut rng, length - 6 * pairs)?;
     Ok(document(&drawn, &order, layout, &text, length)?)
 }
 
@@ -224,6 +277,7 @@ fn score(loaded: &Loaded, doc: &RecallDocument) -> (f64, f64, f64) {
         .forward_probe(super::id_tensor(input, &loaded.device));
     let predicted: Vec<i64> = probe
         .logits
+        .clone()
         .argmax(2)
         .into_data()
         .convert::<i64>()
@@ -236,18 +290,10 @@ fn score(loaded: &Loaded, doc: &RecallDocument) -> (f64, f64, f64) {
         .filter(|q| predicted[q.answer - 1] == q.value as i64)
         .count();
     let (mut answer, mut noise) = (0.0, 0.0);
-    let layers = probe.layers.len() as f64;
-    for layer in probe.layers {
-        for q in &doc.queries {
-            let a = allocation(
-                layer.attention.effective.clone(),
-                q.answer - 1,
-                q.pair.clone(),
-                0..doc.context,
-            );
-            answer += a.answer / (layers * queries);
-            noise += a.noise / (layers * queries);
-        }
+    for q in &doc.queries {
+        let a = mean_allocation(&probe, q.answer - 1, q.pair.clone(), 0..doc.context);
+        answer += a.answer / queries;
+        noise += a.noise / queries;
     }
     (right as f64 / queries, answer, noise)
 }
@@ -291,6 +337,7 @@ fn aggregate(run_dir: &Path, args: &RecallArgs, measured: &[Seed]) -> Result<Rec
         length: first.length,
         samples: args.samples,
         seed: args.seed,
+        keys: args.keys,
         cells: first
             .cells
             .iter()
@@ -310,8 +357,16 @@ fn aggregate(run_dir: &Path, args: &RecallArgs, measured: &[Seed]) -> Result<Rec
 impl Recall {
     pub fn print(&self) {
         println!(
-            "{} ({}): associative recall on evaluation keys, {}-token prompts, {} prompts per cell, seed {}",
-            self.run, self.attention, self.length, self.samples, self.seed
+            "{} ({}): associative recall on {} keys, {}-token prompts, {} prompts per cell, seed {}",
+            self.run,
+            self.attention,
+            match self.keys {
+                Keys::Eval => "evaluation",
+                Keys::Train => "training",
+            },
+            self.length,
+            self.samples,
+            self.seed
         );
         println!(
             "{} weights measured; 95% intervals over {}",

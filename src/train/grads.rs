@@ -90,6 +90,7 @@ mod tests {
         LmBatch {
             inputs: ids(0..4),
             targets: ids(1..5),
+            scored: None,
         }
     }
 
@@ -123,6 +124,39 @@ mod tests {
         for (p, q) in x.iter().zip(&y) {
             assert!((p - q).abs() <= 1e-5 + 1e-4 * q.abs(), "{p} vs {q}");
         }
+    }
+
+    /// A loss on scored targets only is the mean negative log-likelihood of those targets: the
+    /// same as the full loss with every target scored, and blind to the unscored ones.
+    #[test]
+    fn a_scored_loss_is_the_mean_over_scored_targets_and_ignores_the_rest() {
+        let device = Device::flex();
+        let model = model(&device);
+        let rows = [[1, 2, 3, 4, 5], [5, 4, 3, 2, 1]];
+        let full = lm_loss(&model, &batch(&rows, &device)).into_scalar::<f64>();
+        let all_scored = batch(&rows, &device).scoring(&[None, Some(vec![true; 4])]);
+        let same = lm_loss(&model, &all_scored).into_scalar::<f64>();
+        assert!((full - same).abs() < 1e-6, "{full} vs {same}");
+        let flags = [
+            Some(vec![false, true, false, false]),
+            Some(vec![false, false, false, true]),
+        ];
+        let scored = lm_loss(&model, &batch(&rows, &device).scoring(&flags)).into_scalar::<f64>();
+        let nll = crate::eval::token_nll(
+            &model,
+            batch(&rows, &device).inputs,
+            batch(&rows, &device).targets,
+        );
+        let nll = crate::eval::f64_values(nll);
+        let expected = (nll[1] + nll[7]) / 2.0;
+        assert!((scored - expected).abs() < 1e-5, "{scored} vs {expected}");
+        // Another unscored target (the first row's last) changes nothing.
+        let changed = lm_loss(
+            &model,
+            &batch(&[[1, 2, 3, 4, 9], rows[1]], &device).scoring(&flags),
+        )
+        .into_scalar::<f64>();
+        assert_eq!(scored, changed);
     }
 
     #[test]

@@ -21,7 +21,7 @@ use burn::data::dataset::DatasetError;
 use burn::tensor::Device;
 use diffzoo_datasets::needle::NeedleMix;
 use diffzoo_datasets::recall::RecallMix;
-use diffzoo_datasets::{LmBatch, LmBatcher, SampleOrder, TokenWindows};
+use diffzoo_datasets::{DataError, LmBatch, LmBatcher, SampleOrder, TokenWindows};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -158,19 +158,26 @@ impl StepLoader {
         self.rank.map_or((0, self.ranks), |r| (r, r + 1))
     }
 
-    /// The sample at `position` of the training stream.
-    fn sample(&self, position: u64) -> Vec<u32> {
+    /// The sample at `position` of the training stream, with the targets its loss scores
+    /// (`None`: all).
+    fn sample(&self, position: u64) -> (Vec<u32>, Option<Vec<bool>>) {
         let len = self.windows.seq_len() + 1;
-        let made = match self.mixture.as_deref() {
-            Some(Mixture::Needles(mix)) if mix.chooses(position) => {
+        let fail = |e: DataError| -> String { format!("synthetic document {position}: {e}") };
+        match self.mixture.as_deref() {
+            Some(Mixture::Needles(mix)) if mix.chooses(position) => (
                 mix.window(position, &self.windows, len)
-            }
+                    .unwrap_or_else(|e| panic!("{}", fail(e))),
+                None,
+            ),
             Some(Mixture::Recall(mix)) if mix.chooses(position) => {
-                mix.window(position, &self.windows, len)
+                let doc = mix
+                    .window(position, &self.windows, len)
+                    .unwrap_or_else(|e| panic!("{}", fail(e)));
+                let scored = mix.answers_only.then(|| doc.answer_targets());
+                (doc.tokens, scored)
             }
-            _ => return self.windows.window(self.order.sample(position)),
-        };
-        made.unwrap_or_else(|e| panic!("synthetic document {position}: {e}"))
+            _ => (self.windows.window(self.order.sample(position)), None),
+        }
     }
 
     /// The first step and the number of steps of `epoch`.
@@ -199,10 +206,20 @@ impl StepLoader {
     fn item(&self, step: usize, rank: usize) -> StepBatch {
         let share = self.sequences / self.ranks;
         let first = (step * self.sequences + rank * share) as u64;
-        let windows: Vec<Vec<u32>> = (0..share as u64).map(|i| self.sample(first + i)).collect();
-        let micro = windows
+        let samples: Vec<(Vec<u32>, Option<Vec<bool>>)> =
+            (0..share as u64).map(|i| self.sample(first + i)).collect();
+        let micro = samples
             .chunks(self.micro_batch)
-            .map(|chunk| LmBatcher.batch(chunk.to_vec(), &self.device))
+            .map(|chunk| {
+                let windows = chunk.iter().map(|(w, _)| w.clone()).collect();
+                let batch = LmBatcher.batch(windows, &self.device);
+                let scored: Vec<Option<Vec<bool>>> = chunk.iter().map(|(_, s)| s.clone()).collect();
+                if scored.iter().any(Option::is_some) {
+                    batch.scoring(&scored)
+                } else {
+                    batch
+                }
+            })
             .collect();
         let step = match self.epochs {
             Epochs::Counter(_) => step,

@@ -43,7 +43,7 @@ use burn::train::{ExecutionStrategy, Interrupter, Learner, LearningResult, Super
 use checkpoint::{CheckpointWriter, Verified};
 use control::Intervals;
 use diffzoo_datasets::needle::NeedleMix;
-use diffzoo_datasets::recall::{RecallMix, Vocabulary};
+use diffzoo_datasets::recall::{self, RecallMix, Vocabulary};
 use diffzoo_datasets::{Split, TextTokenizer, TokenWindows};
 use loader::{Mixture, StepLoader};
 use metrics::{MetricsLog, StatMetric, StepMetric};
@@ -555,12 +555,25 @@ fn mixture(recipe: &Recipe, tokenizer: &TextTokenizer) -> Result<Option<Mixture>
     let Some(recall) = &recipe.data.recall else {
         return Ok(None);
     };
+    let vocab = Vocabulary::new(recipe.model.vocab_size)
+        .context("`data.recall` with `model.vocab_size`")?;
+    let eot = tokenizer.eot_id();
+    if eot >= vocab.first_reserved() {
+        bail!(
+            "`data.recall` reserves ids {} and up of `model.vocab_size` = {}, and the tokenizer's \
+             end-of-text token is {eot}: it would be a recall value; a `model.vocab_size` of at \
+             least {} keeps them apart",
+            vocab.first_reserved(),
+            recipe.model.vocab_size,
+            tokenizer.id_bound() + recall::RESERVED as usize
+        );
+    }
     Ok(Some(Mixture::Recall(RecallMix {
-        vocab: Vocabulary::new(recipe.model.vocab_size)
-            .context("`data.recall` with `model.vocab_size`")?,
+        vocab,
         fraction: recall.fraction,
         max_pairs: recall.max_pairs,
         max_distractors: recall.max_distractors,
+        answers_only: recall.loss == recipe::RecallLoss::Answers,
         seed: recipe.training.seed,
     })))
 }

@@ -66,6 +66,7 @@ fn one_step(reference: &Model, device: &Device, attention: AttentionKind) -> Ste
     let batch = LmBatch {
         inputs: ids(0),
         targets: ids(1),
+        scored: None,
     };
     let loss = lm_loss(&model, &batch);
     let mut g = GradientsParams::from_grads(loss.backward(), &model);

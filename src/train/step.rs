@@ -13,13 +13,18 @@ use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType, Tensor};
 use burn::train::{InferenceStep, Interrupter, TrainOutput, TrainStep};
 use diffzoo_datasets::LmBatch;
-use diffzoo_models::Model;
+use diffzoo_models::{Model, target_log_probs};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Instant;
 
-/// Mean next-token cross-entropy of a batch, in f32 whatever the model's dtype.
+/// Mean next-token cross-entropy of a batch, in f32 whatever the model's dtype: over every
+/// target, or over the scored ones (`LmBatch::scored`, e.g. recall answers only).
 pub fn lm_loss(model: &Model, batch: &LmBatch) -> Tensor<1> {
     let logits = model.forward(batch.inputs.clone()).cast(DType::F32);
+    if let Some(scored) = &batch.scored {
+        let nll = target_log_probs(logits, batch.targets.clone()).neg();
+        return (nll * scored.clone()).sum() / scored.clone().sum();
+    }
     let [b, s, v] = logits.dims();
     CrossEntropyLossConfig::new()
         .init(&logits.device())
