@@ -83,7 +83,7 @@ impl Vocabulary {
 
     /// The split of the key `(first token i, second token j)`.
     pub fn split(i: u32, j: u32) -> KeySplit {
-        if splitmix(((i as u64) << 32) | j as u64) % 4 == 0 {
+        if splitmix(((i as u64) << 32) | j as u64).is_multiple_of(4) {
             KeySplit::Eval
         } else {
             KeySplit::Train

@@ -47,7 +47,7 @@ enum Epochs {
 /// `data.recall`).
 #[derive(Debug)]
 pub enum Mixture {
-    Needles(NeedleMix),
+    Needles(Box<NeedleMix>),
     Recall(RecallMix),
 }
 

@@ -548,9 +548,8 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
 /// The recipe's synthetic documents, if any, checked to fit its windows.
 fn mixture(recipe: &Recipe, tokenizer: &TextTokenizer) -> Result<Option<Mixture>> {
     if let Some(needles) = &recipe.data.needles {
-        return Ok(Some(Mixture::Needles(needle_mix(
-            recipe, needles, tokenizer,
-        )?)));
+        let mix = needle_mix(recipe, needles, tokenizer)?;
+        return Ok(Some(Mixture::Needles(Box::new(mix))));
     }
     let Some(recall) = &recipe.data.recall else {
         return Ok(None);
