@@ -1463,6 +1463,20 @@ fn data_parallel_training_is_refused_where_it_cannot_run() {
     assert!(!out.exists(), "a refused run leaves nothing behind");
 }
 
+/// The line of a compare report that starts with `prefix`, and the difference it shows first.
+fn difference_line<'a>(md: &'a str, prefix: &str) -> (&'a str, f64) {
+    let line = md
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no line `{prefix}`:\n{md}"));
+    let shown = line[prefix.len()..]
+        .split(' ')
+        .next()
+        .and_then(|d| d.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    (line, shown)
+}
+
 fn json(args: &[&str]) -> Value {
     let stdout = ok(args);
     serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}):\n{stdout}"))
@@ -1626,15 +1640,7 @@ fn every_analysis_runs_on_micro_runs_and_compare_writes_a_report() {
     )
     .unwrap();
     let loss = |i: usize| results[i]["ppl"]["loss"].as_f64().unwrap();
-    let line = md
-        .lines()
-        .find(|l| l.starts_with("Validation loss diff − base: "))
-        .unwrap_or_else(|| panic!("no loss difference:\n{md}"));
-    let shown: f64 = line["Validation loss diff − base: ".len()..]
-        .split(' ')
-        .next()
-        .and_then(|d| d.parse().ok())
-        .unwrap_or_else(|| panic!("{line}"));
+    let (line, shown) = difference_line(&md, "Validation loss diff − base: ");
     assert!(
         (shown - (loss(0) - loss(1))).abs() < 1.5e-4
             && line.contains(" (95% interval ")
@@ -2257,15 +2263,7 @@ fn eval_recall_and_compare_measure_runs_over_seeds() {
         seeds.iter().map(|s| s[1].as_f64().unwrap()).sum::<f64>() / seeds.len() as f64
     };
     let prefix = "Validation loss over seeds, recall − recall-transformer: ";
-    let line = md
-        .lines()
-        .find(|l| l.starts_with(prefix))
-        .unwrap_or_else(|| panic!("no difference over seeds:\n{md}"));
-    let shown: f64 = line[prefix.len()..]
-        .split(' ')
-        .next()
-        .and_then(|d| d.parse().ok())
-        .unwrap_or_else(|| panic!("{line}"));
+    let (line, shown) = difference_line(&md, prefix);
     assert!(
         (shown - (mean(0) - mean(1))).abs() < 1.5e-4
             && line.contains("(95% interval ")

@@ -1,13 +1,12 @@
 //! The needle-in-a-haystack generator: needles land where asked, decode to their sentences, and
 //! training never sees an evaluation city.
 
+mod common;
+
 use diffzoo_datasets::needle::{
     EVAL_CITIES, NeedleMix, TRAIN_CITIES, answer_text, draw, needle_text, place, query_text,
 };
-use diffzoo_datasets::shards::prepare;
-use diffzoo_datasets::{
-    Document, InMemory, PrepareOptions, Rng, Shards, Split, TextTokenizer, TokenWindows, corpus,
-};
+use diffzoo_datasets::{Rng, TextTokenizer, TokenWindows, corpus};
 use regex::Regex;
 use std::collections::HashSet;
 use std::sync::OnceLock;
@@ -22,20 +21,7 @@ fn tokenizer() -> &'static TextTokenizer {
 
 /// Training windows of `seq_len` over two plays.
 fn windows(dir: &std::path::Path, seq_len: usize) -> TokenWindows {
-    let docs = corpus::plays()
-        .iter()
-        .take(2)
-        .map(|p| Document {
-            origin: p.title.clone(),
-            row: None,
-            text: p.text.clone(),
-        })
-        .collect();
-    let mut options = PrepareOptions::new(dir.join("shards"));
-    options.validation_every = 0;
-    prepare(InMemory::new(docs), tokenizer(), &options, Vec::new()).unwrap();
-    let shards = Shards::open(&dir.join("shards")).unwrap();
-    TokenWindows::new(shards.tokens(Split::Train).unwrap(), seq_len)
+    common::windows(dir, tokenizer(), seq_len)
 }
 
 #[test]

@@ -1,13 +1,12 @@
 //! The associative-recall generator: every answer stands where the document says, the layout is
 //! the one asked for, and training never sees an evaluation key.
 
+mod common;
+
 use diffzoo_datasets::recall::{
     self, KeySplit, Layout, MAX_PAIRS, Pair, RecallMix, Vocabulary, document, draw, query_order,
 };
-use diffzoo_datasets::shards::prepare;
-use diffzoo_datasets::{
-    Document, InMemory, PrepareOptions, Rng, Shards, Split, TextTokenizer, TokenWindows, corpus,
-};
+use diffzoo_datasets::{Rng, TextTokenizer, TokenWindows, corpus};
 use std::collections::{HashMap, HashSet};
 
 const VOCAB: usize = 1024;
@@ -18,20 +17,7 @@ fn windows(dir: &std::path::Path, seq_len: usize) -> TokenWindows {
     let plays = corpus::plays();
     let tokenizer =
         TextTokenizer::train_bpe(plays.iter().take(2).map(|p| p.text.as_str()), 400).unwrap();
-    let docs = plays
-        .iter()
-        .take(2)
-        .map(|p| Document {
-            origin: p.title.clone(),
-            row: None,
-            text: p.text.clone(),
-        })
-        .collect();
-    let mut options = PrepareOptions::new(dir.join("shards"));
-    options.validation_every = 0;
-    prepare(InMemory::new(docs), &tokenizer, &options, Vec::new()).unwrap();
-    let shards = Shards::open(&dir.join("shards")).unwrap();
-    TokenWindows::new(shards.tokens(Split::Train).unwrap(), seq_len)
+    common::windows(dir, &tokenizer, seq_len)
 }
 
 #[test]
