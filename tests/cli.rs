@@ -2216,6 +2216,28 @@ fn eval_recall_and_compare_measure_runs_over_seeds() {
     ]);
     assert!(err.contains("`data.needles` and `data.recall`"), "{err}");
 
+    // eval ppl over the seeds: each seed's loss, their mean with an interval.
+    let ppl = json(&[
+        "eval",
+        "ppl",
+        "--run",
+        path(&run),
+        "--max-batches",
+        "1",
+        "--json",
+    ]);
+    let losses: Vec<f64> = ppl["seeds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["loss"].as_f64().unwrap())
+        .collect();
+    assert_eq!(losses.len(), 2);
+    assert_eq!(ppl["loss"]["n"], 2);
+    let mean = ppl["loss"]["mean"].as_f64().unwrap();
+    assert!((mean - (losses[0] + losses[1]) / 2.0).abs() < 1e-9, "{ppl}");
+    assert!(ppl["loss"]["ci95"][0].as_f64().unwrap() <= mean);
+
     // compare: the analyses on each side's first seed, the loss difference over both seeds.
     let report = tmp.path().join("report");
     ok(&[

@@ -3,6 +3,7 @@
 //! without any tokenizer).
 
 use super::{Common, Loaded, emit, f64_values, id_tensor, target_log_probs};
+use crate::sweep::run_seeds;
 use crate::{device, run, stats};
 use anyhow::{Context, Result, anyhow, bail};
 use diffzoo_datasets::Shards;
@@ -72,6 +73,10 @@ pub fn run(args: &PplArgs) -> Result<()> {
     if let Some(tokens) = &args.tokens {
         return score_tokens(&args.common, tokens);
     }
+    let seeds = run_seeds(&args.common.run);
+    if !seeds.is_empty() {
+        return over_seeds(args, &seeds);
+    }
     let loaded = Loaded::open(&args.common.run, &args.common.device)?;
     let result = measure(&loaded, args.data.as_ref(), args.max_batches)?;
     let scope = match (args.max_batches, &args.data) {
@@ -90,6 +95,48 @@ pub fn run(args: &PplArgs) -> Result<()> {
             "{}: validation loss {:.4}{interval}, perplexity {:.2} over {} tokens ({} windows: {scope}) of {}",
             r.weights, r.loss, r.perplexity, r.tokens, r.windows, r.data
         )
+    })
+}
+
+/// A run over seeds: each seed's loss, and their mean with its interval over the seeds.
+#[derive(Debug, Serialize)]
+pub struct SeedPerplexity {
+    pub run: String,
+    pub seeds: Vec<Perplexity>,
+    /// Mean, standard deviation and 95% t interval of the seeds' losses.
+    pub loss: stats::Estimate,
+}
+
+fn over_seeds(args: &PplArgs, seeds: &[PathBuf]) -> Result<()> {
+    let mut measured = Vec::with_capacity(seeds.len());
+    for seed in seeds {
+        let loaded = Loaded::open(seed, &args.common.device)?;
+        measured.push(measure(&loaded, args.data.as_ref(), args.max_batches)?);
+    }
+    let losses: Vec<f64> = measured.iter().map(|p| p.loss).collect();
+    let result = SeedPerplexity {
+        run: args.common.run.display().to_string(),
+        loss: stats::estimate(&losses),
+        seeds: measured,
+    };
+    emit(args.common.json, &result, |r| {
+        for p in &r.seeds {
+            println!(
+                "{}: validation loss {:.4} over {} tokens",
+                p.weights, p.loss, p.tokens
+            );
+        }
+        let e = &r.loss;
+        let spread = match (e.sd, e.ci95) {
+            (Some(sd), Some([lo, hi])) => {
+                format!(" ± {sd:.4} (sd), 95% interval {lo:.4} to {hi:.4} over seeds")
+            }
+            _ => " (one seed: no interval)".to_string(),
+        };
+        println!(
+            "{}: mean validation loss over {} seeds {:.4}{spread}",
+            r.run, e.n, e.mean
+        );
     })
 }
 
