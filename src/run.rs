@@ -170,19 +170,10 @@ impl std::fmt::Display for Weights {
     }
 }
 
-/// The run's final model, or its newest verified checkpoint when training has not finished.
-pub fn load_model(run: &Path, recipe: &Recipe, device: &Device) -> Result<(Model, Weights)> {
-    load_weights(run, &recipe.model_config(), device)
-}
-
-/// Weights for a model of `config` from a run directory (its final model, else its newest
-/// verified checkpoint) or from a model or checkpoint file.
-pub fn load_weights(
-    path: &Path,
-    config: &ModelConfig,
-    device: &Device,
-) -> Result<(Model, Weights)> {
-    let weights = if path.is_dir() {
+/// Which weights `path` (a run directory or a model file) holds: the run's final model, else
+/// its newest verified checkpoint.
+pub fn find_weights(path: &Path) -> Result<Weights> {
+    Ok(if path.is_dir() {
         let final_path = path.join(FINAL_MODEL);
         if final_path.exists() {
             Weights::Final(final_path)
@@ -206,7 +197,33 @@ pub fn load_weights(
         Weights::File(path.to_path_buf())
     } else {
         bail!("{}: no such run directory or model file", path.display());
-    };
+    })
+}
+
+impl Weights {
+    /// How far the weights are: `final`, a checkpoint's step, or a file.
+    pub fn stage(&self) -> String {
+        match self {
+            Self::Final(_) => "final".into(),
+            Self::Checkpoint(c, _) => format!("step {}", c.step),
+            Self::File(path) => format!("file {}", path.display()),
+        }
+    }
+}
+
+/// The run's final model, or its newest verified checkpoint when training has not finished.
+pub fn load_model(run: &Path, recipe: &Recipe, device: &Device) -> Result<(Model, Weights)> {
+    load_weights(run, &recipe.model_config(), device)
+}
+
+/// Weights for a model of `config` from a run directory (its final model, else its newest
+/// verified checkpoint) or from a model or checkpoint file.
+pub fn load_weights(
+    path: &Path,
+    config: &ModelConfig,
+    device: &Device,
+) -> Result<(Model, Weights)> {
+    let weights = find_weights(path)?;
     let file = match &weights {
         Weights::Final(p) | Weights::Checkpoint(_, p) | Weights::File(p) => p.clone(),
     };

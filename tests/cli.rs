@@ -2165,6 +2165,7 @@ fn eval_recall_and_compare_measure_runs_over_seeds() {
     let train = json(&on_train);
     assert_eq!(train["keys"], "train");
     assert_eq!(train["cells"].as_array().unwrap().len(), 8);
+    assert_ne!(train["cells"], one["cells"], "other keys, other prompts");
     // Defaults fit the run's 128 tokens: 1, 2, 4 pairs × 0, 2, 4, 8 distractors.
     let defaults = json(&[
         "eval",
@@ -2292,4 +2293,17 @@ fn eval_recall_and_compare_measure_runs_over_seeds() {
             && line.contains("paired by seed over 2 seeds"),
         "{line}"
     );
+
+    // Seeds at different stages (one back at its last checkpoint) are refused up front.
+    std::fs::remove_file(run.join("seed-2").join("model.bpk")).unwrap();
+    for command in [&["eval", "recall"][..], &["eval", "ppl"]] {
+        let mut a = command.to_vec();
+        a.extend(["--run", path(&run)]);
+        let err = fails(&a);
+        assert!(
+            err.contains("its seeds are at different stages (final of")
+                && err.contains("step 6 of"),
+            "{err}"
+        );
+    }
 }

@@ -135,7 +135,7 @@ fn training_windows_recall_their_own_pairs_with_training_keys_only() {
         fraction: 0.4,
         max_pairs: 12,
         max_distractors: 8,
-        answers_only: true,
+        answers_only: false,
         seed: 3,
     };
     assert!(recall::longest(mix.max_pairs, mix.max_distractors).unwrap() < seq_len);
@@ -150,10 +150,17 @@ fn training_windows_recall_their_own_pairs_with_training_keys_only() {
         assert_eq!(doc, mix.window(position, &windows, seq_len + 1).unwrap());
         let tokens = doc.tokens.clone();
         assert_eq!(tokens.len(), seq_len + 1);
-        // The scored targets are exactly the queried values.
+        // The scored targets (target t is token t + 1) are exactly the queried values, found
+        // again after their keys.
         let scored: Vec<usize> = (0..seq_len).filter(|&t| doc.answer_targets()[t]).collect();
-        let answers: Vec<usize> = doc.queries.iter().map(|q| q.answer - 1).collect();
-        assert_eq!(scored, answers);
+        assert_eq!(scored.len(), doc.queries.len());
+        for (&t, q) in scored.iter().zip(&doc.queries) {
+            assert_eq!(doc.tokens[t + 1], q.value);
+            assert_eq!(
+                doc.tokens[t - 1..t + 1],
+                doc.tokens[q.pair.start..q.pair.start + 2]
+            );
+        }
         // The reserved ids, in order: key tokens and values (the text is below 400).
         let reserved: Vec<(usize, u32)> = tokens
             .iter()

@@ -13,10 +13,9 @@ use super::outliers::{self, Outliers};
 use super::position::{self, NllByPosition};
 use super::ppl::{self, Perplexity};
 use super::quant::{self, Quantization};
-use super::{Loaded, Values, list};
+use super::{Loaded, Values, list, seeds_of};
 use crate::plot;
 use crate::stats;
-use crate::sweep::run_seeds;
 use anyhow::{Context, Result};
 use diffzoo_models::AttentionKind;
 use serde::Serialize;
@@ -72,7 +71,7 @@ pub struct RunReport {
 }
 
 fn measure(args: &CompareArgs, grid: &GridArgs, run: &Path, name: &str) -> Result<RunReport> {
-    let seeds = run_seeds(run);
+    let seeds = seeds_of(run)?;
     let dir = seeds.first().map_or(run, PathBuf::as_path);
     let loaded = Loaded::open(dir, &args.device)?;
     eprintln!("{name}: {}", loaded.weights);

@@ -165,6 +165,29 @@ pub fn f64_values<const D: usize>(tensor: Tensor<D>) -> Vec<f64> {
         .collect()
 }
 
+/// The seeds of a run over seeds (`RUN/seed-N`), refused unless all are at one stage (all
+/// final, or all at one checkpoint step): a sweep still running would mix them. Empty for a
+/// plain run.
+pub fn seeds_of(run: &Path) -> Result<Vec<PathBuf>> {
+    let seeds = crate::sweep::run_seeds(run);
+    let mut stages = Vec::with_capacity(seeds.len());
+    for seed in &seeds {
+        stages.push(run::find_weights(seed)?.stage());
+    }
+    if let Some(i) = stages.iter().position(|s| *s != stages[0]) {
+        bail!(
+            "{}: its seeds are at different stages ({} of {}, {} of {}): measure them once all \
+             have finished",
+            run.display(),
+            stages[0],
+            seeds[0].display(),
+            stages[i],
+            seeds[i].display()
+        );
+    }
+    Ok(seeds)
+}
+
 /// `len` tokens from a random place of `text` (a held-out split), refusing a split too short.
 pub fn random_text(text: &TokenStream, rng: &mut Rng, len: usize) -> Result<Vec<u32>> {
     if text.len() < len as u64 {

@@ -2,8 +2,7 @@
 //! NLL of every token of given token-id sequences (how parity with another framework is checked
 //! without any tokenizer).
 
-use super::{Common, Loaded, emit, f64_values, id_tensor, target_log_probs};
-use crate::sweep::run_seeds;
+use super::{Common, Loaded, emit, f64_values, id_tensor, seeds_of, target_log_probs};
 use crate::{device, run, stats};
 use anyhow::{Context, Result, anyhow, bail};
 use diffzoo_datasets::Shards;
@@ -73,7 +72,7 @@ pub fn run(args: &PplArgs) -> Result<()> {
     if let Some(tokens) = &args.tokens {
         return score_tokens(&args.common, tokens);
     }
-    let seeds = run_seeds(&args.common.run);
+    let seeds = seeds_of(&args.common.run)?;
     if !seeds.is_empty() {
         return over_seeds(args, &seeds);
     }

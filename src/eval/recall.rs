@@ -19,10 +19,8 @@
 //! instead: retrieval that works there but not on evaluation keys has not generalised.
 
 use super::attention::mean_allocation;
-use super::{Common, Loaded, Values, emit, list, random_text};
-use crate::run::Weights;
+use super::{Common, Loaded, Values, emit, list, random_text, seeds_of};
 use crate::stats::{self, Estimate};
-use crate::sweep::run_seeds;
 use anyhow::{Context, Result, bail};
 use diffzoo_datasets::recall::{
     KeySplit, Layout, MAX_PAIRS, RecallDocument, Vocabulary, document, draw, query_order,
@@ -102,7 +100,7 @@ pub struct Recall {
 
 pub fn run(args: &RecallArgs) -> Result<()> {
     let run_dir = &args.common.run;
-    let seeds = run_seeds(run_dir);
+    let seeds = seeds_of(run_dir)?;
     let dirs = if seeds.is_empty() {
         vec![run_dir.clone()]
     } else {
@@ -111,22 +109,8 @@ pub fn run(args: &RecallArgs) -> Result<()> {
     let mut measured: Vec<Seed> = Vec::with_capacity(dirs.len());
     for dir in &dirs {
         let loaded = Loaded::open(dir, &args.common.device)?;
-        let stage = stage(&loaded.weights);
-        if let Some(first) = measured.first()
-            && first.stage != stage
-        {
-            bail!(
-                "{}: its seeds are at different stages ({} of {}, {stage} of {}): measure them \
-                 once all have finished",
-                run_dir.display(),
-                first.stage,
-                dirs[0].display(),
-                dir.display()
-            );
-        }
         let cells = measure(&loaded, args).with_context(|| format!("{}", dir.display()))?;
         measured.push(Seed {
-            stage,
             weights: loaded.weights.to_string(),
             attention: loaded.recipe.model.attention.to_string(),
             length: args.length.unwrap_or(loaded.recipe.data.seq_len),
@@ -137,18 +121,8 @@ pub fn run(args: &RecallArgs) -> Result<()> {
     emit(args.common.json, &result, Recall::print)
 }
 
-/// How far a run's weights are: `final`, or the step of a checkpoint.
-fn stage(weights: &Weights) -> String {
-    match weights {
-        Weights::Final(_) => "final".into(),
-        Weights::Checkpoint(c, _) => format!("step {}", c.step),
-        Weights::File(path) => format!("file {}", path.display()),
-    }
-}
-
 /// One run's (or seed's) measurements.
 struct Seed {
-    stage: String,
     weights: String,
     attention: String,
     length: usize,
@@ -248,7 +222,7 @@ fn cells(args: &RecallArgs) -> Vec<(usize, Layout)> {
     cells
 }
 
-/// Prompt `index` of a cell: evaluation keys, text from a random place of the validation split.
+/// Prompt `index` of a cell: keys of `--keys`, text from a random place of the validation split.
 fn prompt(
     vocab: &Vocabulary,
     text: &TokenStream,

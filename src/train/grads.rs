@@ -150,6 +150,14 @@ mod tests {
         let nll = crate::eval::f64_values(nll);
         let expected = (nll[1] + nll[7]) / 2.0;
         assert!((scored - expected).abs() < 1e-5, "{scored} vs {expected}");
+        // Each window weighs the same: the mean of the windows' means over their scored targets.
+        let uneven = [
+            Some(vec![true, true, false, false]),
+            Some(vec![false, false, false, true]),
+        ];
+        let loss = lm_loss(&model, &batch(&rows, &device).scoring(&uneven)).into_scalar::<f64>();
+        let expected = ((nll[0] + nll[1]) / 2.0 + nll[7]) / 2.0;
+        assert!((loss - expected).abs() < 1e-5, "{loss} vs {expected}");
         // Another unscored target (the first row's last) changes nothing.
         let changed = lm_loss(
             &model,
@@ -157,6 +165,33 @@ mod tests {
         )
         .into_scalar::<f64>();
         assert_eq!(scored, changed);
+    }
+
+    /// With scored targets too, micro-batches of equal size averaged equal one large batch.
+    #[test]
+    fn scored_micro_batches_average_to_one_large_batch() {
+        let device = Device::flex().autodiff();
+        let model = model(&device);
+        let (a, b) = ([[1, 2, 3, 4, 5]], [[6, 7, 8, 9, 10]]);
+        let (fa, fb) = (
+            Some(vec![true, false, false, true]),
+            Some(vec![false, true, false, false]),
+        );
+        let mut accumulator = burn::optim::GradientsAccumulator::new();
+        for (rows, flags) in [(&a, &fa), (&b, &fb)] {
+            let micro = batch(rows, &device).scoring(std::slice::from_ref(flags));
+            let loss = lm_loss(&model, &micro);
+            accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+        }
+        let mut averaged = accumulator.grads();
+        scale(&model, &mut averaged, 0.5);
+        let whole = batch(&[a[0], b[0]], &device).scoring(&[fa, fb]);
+        let mut whole = GradientsParams::from_grads(lm_loss(&model, &whole).backward(), &model);
+        let (x, y) = (all(&model, &mut averaged), all(&model, &mut whole));
+        assert_eq!(x.len(), y.len());
+        for (p, q) in x.iter().zip(&y) {
+            assert!((p - q).abs() <= 1e-5 + 1e-4 * q.abs(), "{p} vs {q}");
+        }
     }
 
     #[test]

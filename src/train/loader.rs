@@ -378,6 +378,65 @@ mod tests {
         items
     }
 
+    /// A recall mixture scoring answers only gives its windows' flags to the batches, plain
+    /// windows none; scoring every token gives no flags at all.
+    #[test]
+    fn recall_windows_carry_their_scored_targets_into_the_batches() {
+        use diffzoo_datasets::recall::{RecallMix, Vocabulary};
+        let dir = tempfile::tempdir().unwrap();
+        let windows = windows(dir.path());
+        let device = Device::flex();
+        let intervals = Intervals {
+            first_epoch: 1,
+            first_step: 0,
+            interval: 2,
+            total: 2,
+        };
+        let mix = |answers_only| {
+            Mixture::Recall(RecallMix {
+                vocab: Vocabulary::new(1024).unwrap(),
+                fraction: 0.5,
+                max_pairs: 1,
+                max_distractors: 0,
+                answers_only,
+                seed: 5,
+            })
+        };
+        let loader = |answers_only| {
+            StepLoader::training(windows.clone(), 3, 16, 16, intervals, device.clone())
+                .with_mixture(mix(answers_only))
+        };
+        let item = loader(true).iter().next().unwrap().unwrap();
+        let batch = &item.micro[0];
+        let flags: Vec<f32> = batch
+            .scored
+            .clone()
+            .unwrap()
+            .into_data()
+            .iter::<f32>()
+            .collect();
+        let targets: Vec<i64> = batch.targets.clone().into_data().iter::<i64>().collect();
+        let (mut recall, mut plain) = (0, 0);
+        for (row, row_targets) in flags.chunks(8).zip(targets.chunks(8)) {
+            let scored: Vec<usize> = (0..8).filter(|&t| row[t] == 1.0).collect();
+            if scored.len() == 8 {
+                plain += 1;
+                assert!(row_targets.iter().all(|&t| t < 300), "a plain window");
+            } else {
+                // One pair: its value is the last target, the only one scored.
+                recall += 1;
+                assert_eq!(scored, [7]);
+                assert!(row_targets[7] >= 1024 - 64, "a value id");
+            }
+        }
+        assert!(
+            recall > 0 && plain > 0,
+            "{recall} recall and {plain} plain windows"
+        );
+        let item = loader(false).iter().next().unwrap().unwrap();
+        assert!(item.micro[0].scored.is_none());
+    }
+
     #[test]
     fn data_parallel_shares_make_up_each_step_and_each_rank_counts_its_epochs() {
         let dir = tempfile::tempdir().unwrap();

@@ -560,7 +560,7 @@ fn mixture(recipe: &Recipe, tokenizer: &TextTokenizer) -> Result<Option<Mixture>
     if eot >= vocab.first_reserved() {
         bail!(
             "`data.recall` reserves ids {} and up of `model.vocab_size` = {}, and the tokenizer's \
-             end-of-text token is {eot}: it would be a recall value; a `model.vocab_size` of at \
+             end-of-text token is {eot}: it would be a recall key token or value; a `model.vocab_size` of at \
              least {} keeps them apart",
             vocab.first_reserved(),
             recipe.model.vocab_size,

@@ -17,13 +17,18 @@ use diffzoo_models::{Model, target_log_probs};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Instant;
 
-/// Mean next-token cross-entropy of a batch, in f32 whatever the model's dtype: over every
-/// target, or over the scored ones (`LmBatch::scored`, e.g. recall answers only).
+/// Mean next-token cross-entropy of a batch, in f32 whatever the model's dtype. With scored
+/// targets (`LmBatch::scored`, e.g. recall answers only) each window's loss is the mean over its
+/// scored targets and the batch's the mean over windows: every window weighs the same, whatever
+/// the micro-batch size, and with every target scored this is the plain mean (windows have one
+/// length).
 pub fn lm_loss(model: &Model, batch: &LmBatch) -> Tensor<1> {
     let logits = model.forward(batch.inputs.clone()).cast(DType::F32);
     if let Some(scored) = &batch.scored {
+        let scored = scored.clone().cast(DType::F32);
         let nll = target_log_probs(logits, batch.targets.clone()).neg();
-        return (nll * scored.clone()).sum() / scored.clone().sum();
+        let per_window = (nll * scored.clone()).sum_dim(1) / scored.sum_dim(1);
+        return per_window.mean();
     }
     let [b, s, v] = logits.dims();
     CrossEntropyLossConfig::new()
