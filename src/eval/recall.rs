@@ -15,8 +15,9 @@
 //! same prompts; a cell then reports the mean over seeds with a 95% t interval over the seeds'
 //! values. The prompts being shared, that interval holds the spread between trained models, not
 //! the choice of prompts (more `--samples` shrink that). A single run's interval is over its
-//! prompts. All seeds must be measured at the same stage (all final, or all at one step). Prompts are a pure function of `--seed`. `--keys train` asks training keys
-//! instead: retrieval that works there but not on evaluation keys has not generalised.
+//! prompts. All seeds must be measured at the same stage (all final, or all at one step).
+//! Prompts are a pure function of `--seed`. `--keys train` asks training keys instead: retrieval
+//! that works there but not on evaluation keys has not generalised.
 
 use super::attention::mean_allocation;
 use super::{Common, Loaded, Values, emit, list, random_text, seeds_of};
