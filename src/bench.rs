@@ -18,12 +18,12 @@
 
 use crate::device;
 use crate::plan::Gpu;
-use crate::recipe::{self, OptimizerSection};
-use crate::train::{self, grads, step::lm_loss};
+use crate::recipe::{self, OptimizerSection, Recompute};
+use crate::train::{self, grads, step};
 use anyhow::{Context, Result, anyhow, bail};
 use burn::data::dataloader::batcher::Batcher;
 use burn::module::Module;
-use burn::optim::GradientsParams;
+use burn::optim::{GradientsAccumulator, GradientsParams};
 use clap::Args;
 use diffzoo_datasets::{LmBatcher, Rng};
 use diffzoo_models::{AttentionImpl, AttentionKind, DEFAULT_ATTENTION_BLOCK, ModelConfig};
@@ -78,6 +78,9 @@ pub struct BenchArgs {
     /// Positions per query and key block of `--attention-impl flash`.
     #[arg(long, default_value_t = DEFAULT_ATTENTION_BLOCK)]
     pub attention_block: usize,
+    /// `block`: training steps recompute each block in the backward pass (`training.recompute`).
+    #[arg(long, default_value = "none", value_parser = ["none", "block"])]
+    pub recompute: String,
     /// A GPU (h100, h200, a100) whose dense bf16 peak turns training FLOP/s into MFU.
     #[arg(long)]
     pub gpu: Option<String>,
@@ -112,6 +115,14 @@ impl BenchArgs {
                 block: self.attention_block,
             },
             _ => AttentionImpl::Explicit,
+        }
+    }
+
+    /// `--recompute`.
+    fn recompute(&self) -> Recompute {
+        match self.recompute.as_str() {
+            "block" => Recompute::Block,
+            _ => Recompute::None,
         }
     }
 }
@@ -434,6 +445,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "cpu": cpu(),
             "attention_impl": args.attention_impl,
             "attention_block": args.attention_block,
+            "recompute": args.recompute,
             "seq": args.seq,
             "batch": args.batch,
             "dtype": args.dtype,
@@ -484,7 +496,15 @@ fn print_table(args: &BenchArgs, shape: &Shape, torch: &[(String, TorchRun)], ro
             " · allocator not tuned"
         },
     );
-    println!("{} · {} attention", cpu(), args.attention_impl);
+    println!(
+        "{} · {} attention{}",
+        cpu(),
+        args.attention_impl,
+        match args.recompute() {
+            Recompute::Block => " · blocks recomputed",
+            Recompute::None => "",
+        }
+    );
     for (_, run) in torch {
         println!(
             "PyTorch {} on {} ({} attention, {} threads)",
@@ -561,6 +581,7 @@ fn spawn_child(args: &BenchArgs, spec: &str, attention: AttentionKind) -> Result
     }
     command.args(["--attention-impl", &args.attention_impl]);
     command.args(["--attention-block", &args.attention_block.to_string()]);
+    command.args(["--recompute", &args.recompute]);
     let threads = threads().to_string();
     command.env("RAYON_NUM_THREADS", &threads);
     command.env("OMP_NUM_THREADS", &threads);
@@ -611,12 +632,15 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
     let mut pool_peak = None;
     let step_s = timed(args.warmup, args.reps, || {
         let model = trained.take().expect("the model between steps");
-        let loss = lm_loss(&model, &batch);
-        let value = loss.clone().into_scalar::<f32>();
+        let mut accumulator = GradientsAccumulator::new();
+        let loss = step::backward(&model, &batch, args.recompute(), |grads| {
+            accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
+        });
+        let value = loss.into_scalar::<f32>();
         if !value.is_finite() {
             bail!("non-finite loss {value}");
         }
-        let mut g = GradientsParams::from_grads(loss.backward(), &model);
+        let mut g = accumulator.grads();
         grads::clip_global_norm(&model, &mut g, 1.0);
         trained = Some(optimizer.step(1e-4, model, g));
         // On a GPU the update is still queued: the step ends when the device is idle.

@@ -18,14 +18,21 @@
 //! V) repeats them; V2's 2H query heads always repeat its H_kv. DIFF V1 adds subln's input and
 //! output (`2·d_model`); DIFF V2 adds the paired output (`H·d`). `tests/plan_memory.rs` holds
 //! these formulas to what a forward pass keeps on Flex in f32. The head keeps the final norm (`2·d_model`), the logits and their f32
-//! log-softmax (`vocab·(b + 4)` bytes). Per-block recomputation (not in diffzoo yet) would keep
-//! each block's input (`d_model`) and one block's activations during its recomputation.
+//! log-softmax (`vocab·(b + 4)` bytes). With per-block recomputation (`training.recompute =
+//! "block"`, [`diffzoo_models::recompute`]) a step keeps every block's input (`d_model` per token
+//! and layer) and, at its peak, the larger of the head's activations and one block's backward
+//! pass: its activations, the gradients its backward pass holds beside them (`2·ffn`, and on the
+//! explicit path `2·maps·S`) and the two gradients flowing between blocks (`2·d_model`). Nothing is
+//! kept between the passes there, so `tests/plan_memory.rs` holds this to the peak of a whole
+//! recomputed backward pass. It costs one more forward pass per step, which the time estimate
+//! counts (4/3 of the training FLOPs).
 //!
 //! A plan only offers what diffzoo can execute: one GPU, or data parallelism on one node (Burn's
-//! DDP keeps a whole replica, optimizer state included, on every GPU). What would fit only with
-//! recomputation or a sharded optimizer is reported as not runnable, naming what is missing.
+//! DDP keeps a whole replica, optimizer state included, on every GPU). What fits only with
+//! recomputation says so and gives the setting; what would need a sharded optimizer is reported
+//! as not runnable.
 
-use crate::recipe::{self, Recipe};
+use crate::recipe::{self, Recipe, Recompute};
 use anyhow::{Result, bail};
 use diffzoo_models::{AttentionImpl, AttentionKind, ModelConfig};
 use serde::Serialize;
@@ -35,6 +42,9 @@ pub const GPUS_PER_NODE: usize = 8;
 
 /// Usable share of a device's memory (the rest: CUDA context, allocator fragmentation).
 pub const USABLE: f64 = 0.9;
+
+/// What a plan that fits only with recomputation tells `train`.
+const RECOMPUTE_SET: &str = "--set training.recompute=\"block\"";
 
 /// A GPU: memory and dense bf16 peak.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -75,9 +85,10 @@ pub struct Memory {
     pub weights: f64,
     pub gradients: f64,
     pub optimizer: f64,
-    /// Activations kept for one micro-batch with the recipe's attention implementation.
+    /// Activations kept for one micro-batch as the recipe trains (its attention implementation
+    /// and `training.recompute`).
     pub activations: f64,
-    /// The same with per-block recomputation (which diffzoo does not offer yet).
+    /// The same with per-block recomputation.
     pub activations_recomputed: f64,
 }
 
@@ -87,10 +98,10 @@ pub struct Memory {
 pub enum Fit {
     /// The whole state and one micro-batch's activations fit one device.
     Fits,
-    /// It would fit with per-block activation recomputation, which diffzoo does not offer yet.
+    /// It fits with per-block activation recomputation, which the recipe does not turn on.
     NeedsRecomputation,
     /// It would fit only with recomputation and the optimizer state sharded over this many
-    /// devices, neither of which diffzoo offers.
+    /// devices, which diffzoo does not offer.
     NeedsSharding(usize),
     /// Weights, gradients and activations alone exceed one device.
     Never,
@@ -104,6 +115,8 @@ pub struct Plan {
     pub bytes_per_element: usize,
     /// The attention implementation the recipe trains with (`explicit` or `flash`).
     pub attention: String,
+    /// Whether the recipe recomputes blocks (`training.recompute = "block"`).
+    pub recompute: bool,
     pub memory: Memory,
     pub fit: Fit,
     /// Devices the time is computed for (when it can run).
@@ -163,9 +176,31 @@ fn block_elements(config: &ModelConfig, seq_len: usize, b: f64) -> f64 {
     4.0 * dm + (q + 2.0 * kv) + (q + kv) + copies + attention + dm + 4.0 * ffn + extra
 }
 
+/// What one block's backward pass holds beside its activations, per token, in elements: the
+/// gradients of SwiGLU's gate and up projection (`2·ffn`) and, on the explicit path, those of
+/// every map's probabilities and logits (dP and dS, `2·maps·S`). Only the recomputed plan counts
+/// it: there one block's backward pass is the peak.
+fn block_backward_elements(config: &ModelConfig, seq_len: usize) -> f64 {
+    let maps = match config.attention {
+        AttentionKind::DiffV2 => 2.0 * config.heads as f64,
+        _ => config.heads as f64,
+    };
+    let explicit = !matches!(config.attention_impl, AttentionImpl::Flash { .. });
+    let attention = if explicit {
+        2.0 * maps * seq_len as f64
+    } else {
+        0.0
+    };
+    2.0 * config.ffn_hidden() as f64 + attention
+}
+
+/// Training FLOPs with per-block recomputation over those without: one more forward pass (a
+/// third of a training step's FLOPs).
+pub const RECOMPUTE_FLOPS: f64 = 4.0 / 3.0;
+
 /// Whether a plan of this fit runs on `gpus` GPUs of one node, its micro-batches shared out.
 fn runnable(fit: Fit, gpus: usize, micro_batches: usize) -> bool {
-    fit == Fit::Fits
+    matches!(fit, Fit::Fits | Fit::NeedsRecomputation)
         && (gpus == 1
             || (gpus <= GPUS_PER_NODE && crate::train::loader::shares(micro_batches, gpus).is_ok()))
 }
@@ -194,12 +229,20 @@ impl Plan {
         );
         let head = tokens * (2.0 * dm * b as f64 + vocab * (b as f64 + 4.0));
         let block = tokens * block_elements(&config, recipe.data.seq_len, b as f64) * b as f64;
+        let inputs = tokens * dm * b as f64;
+        let backward = tokens * block_backward_elements(&config, recipe.data.seq_len) * b as f64;
+        let recomputed = layers * inputs + head.max(block + backward + 2.0 * inputs);
+        let recompute = recipe.training.recompute == Recompute::Block;
         let memory = Memory {
             weights: n * b as f64,
             gradients: n * b as f64,
             optimizer: 2.0 * n * b as f64,
-            activations: layers * block + head,
-            activations_recomputed: layers * tokens * dm * b as f64 + block + head,
+            activations: if recompute {
+                recomputed
+            } else {
+                layers * block + head
+            },
+            activations_recomputed: recomputed,
         };
         let usable = gpu.memory_bytes * USABLE;
         let state = memory.weights + memory.gradients + memory.optimizer;
@@ -217,10 +260,15 @@ impl Plan {
         let micro_batches = recipe.accumulation();
         let runnable = runnable(fit, gpus, micro_batches);
         let training_flops = recipe.derived().training_flops;
+        let executed = if recompute || fit == Fit::NeedsRecomputation {
+            training_flops * RECOMPUTE_FLOPS
+        } else {
+            training_flops
+        };
         let seconds = gpu
             .peak_flops
             .filter(|_| runnable)
-            .map(|peak| training_flops / (gpus as f64 * peak * mfu));
+            .map(|peak| executed / (gpus as f64 * peak * mfu));
         let mut plan = Self {
             gpu,
             mfu,
@@ -230,6 +278,7 @@ impl Plan {
                 _ => "explicit",
             }
             .into(),
+            recompute,
             memory,
             fit,
             gpus,
@@ -254,7 +303,7 @@ impl Plan {
     /// How `diffzoo train` runs the plan on several GPUs (nothing for one, or when it cannot run).
     fn data_parallel_advice(&self) -> Option<String> {
         let n = self.gpus;
-        if n == 1 || self.fit != Fit::Fits {
+        if n == 1 || !matches!(self.fit, Fit::Fits | Fit::NeedsRecomputation) {
             return None;
         }
         Some(if n > GPUS_PER_NODE {
@@ -264,11 +313,16 @@ impl Plan {
         } else {
             match crate::train::loader::shares(self.micro_batches, n) {
                 Ok(each) => format!(
-                    "data parallel: train with --devices {} ({each} micro-batches per GPU and step)",
+                    "data parallel: train with --devices {}{} ({each} micro-batches per GPU and step)",
                     (0..n)
                         .map(|i| format!("cuda:{i}"))
                         .collect::<Vec<_>>()
-                        .join(",")
+                        .join(","),
+                    if self.fit == Fit::NeedsRecomputation {
+                        format!(" {RECOMPUTE_SET}")
+                    } else {
+                        String::new()
+                    }
                 ),
                 Err(e) => format!("{e}; choose a --gpus that divides {}", self.micro_batches),
             }
@@ -289,47 +343,60 @@ impl Plan {
                 gb(m.optimizer)
             ),
             format!(
-                "activations per micro-batch ({} attention): {:.1} GB{}",
+                "activations per micro-batch ({} attention{}): {:.1} GB{}",
                 self.attention,
+                if self.recompute {
+                    ", blocks recomputed"
+                } else {
+                    ""
+                },
                 gb(m.activations),
-                match self.fit {
-                    Fit::Fits => String::new(),
-                    _ => format!(
-                        " ({:.1} GB if blocks were recomputed)",
+                if self.recompute {
+                    String::new()
+                } else {
+                    format!(
+                        " ({:.1} GB with blocks recomputed)",
                         gb(m.activations_recomputed)
-                    ),
+                    )
                 }
             ),
         ];
         let usable = gb(self.gpu.memory_bytes * USABLE);
-        let needed = gb(m.weights + m.gradients + m.optimizer + m.activations);
+        let state = m.weights + m.gradients + m.optimizer;
+        let needed = gb(state + m.activations);
         lines.push(match self.fit {
             Fit::Fits => format!("fits one {name} ({needed:.1} of {usable:.0} GB usable)"),
             Fit::NeedsRecomputation => format!(
-                "diffzoo cannot train this on one {name} yet: it needs {needed:.1} GB of {usable:.0} GB usable, and would fit with per-block activation recomputation, which diffzoo does not offer{}",
+                "fits one {name} only with per-block recomputation: {:.1} of {usable:.0} GB usable with training.recompute = \"block\" ({needed:.1} GB without; train with {RECOMPUTE_SET}){}",
+                gb(state + m.activations_recomputed),
                 if self.micro_batch > 1 && self.one_sequence_fits {
-                    "; training.micro_batch = 1 fits"
+                    "; or training.micro_batch = 1, which fits without it"
                 } else {
                     ""
                 }
             ),
             Fit::NeedsSharding(n) => format!(
-                "diffzoo cannot train this: it needs {needed:.1} GB on one {name} ({usable:.0} GB usable), and would fit only with per-block recomputation and the AdamW state sharded over {n} of them, neither of which diffzoo offers (Burn's DDP keeps a whole replica on every GPU)"
+                "diffzoo cannot train this: it needs {needed:.1} GB on one {name} ({usable:.0} GB usable), and would fit only with per-block recomputation and the AdamW state sharded over {n} of them, which diffzoo does not offer (Burn's DDP keeps a whole replica on every GPU)"
             ),
             Fit::Never => format!(
-                "diffzoo cannot train this: on one {name} ({usable:.0} GB usable) weights, gradients and activations alone do not fit even with recomputation"
+                "diffzoo cannot train this: on one {name} ({usable:.0} GB usable) weights, gradients and activations alone do not fit even with per-block recomputation"
             ),
         });
         lines.extend(self.data_parallel.clone());
         lines.push(match (self.days, self.gpu_hours) {
             (Some(days), Some(hours)) => format!(
-                "{:.3e} training FLOPs: {days:.1} days on {} × {} at {:.0}% MFU ({hours:.0} GPU-hours)",
+                "{:.3e} training FLOPs: {days:.1} days on {} × {} at {:.0}% MFU ({hours:.0} GPU-hours){}",
                 self.training_flops,
                 self.gpus,
                 self.gpu.name,
-                self.mfu * 100.0
+                self.mfu * 100.0,
+                if self.recompute || self.fit == Fit::NeedsRecomputation {
+                    ", counting the forward pass recomputation repeats"
+                } else {
+                    ""
+                }
             ),
-            _ if self.fit != Fit::Fits => format!(
+            _ if !matches!(self.fit, Fit::Fits | Fit::NeedsRecomputation) => format!(
                 "{:.3e} training FLOPs (no time estimate: no way to run it above)",
                 self.training_flops
             ),
@@ -513,9 +580,14 @@ mod tests {
             flash.memory.activations,
             24.0 * tokens * block * 2.0 + head
         ));
+        // Recomputed: the 24 block inputs and the larger of the head and one block's backward
+        // pass (its activations, SwiGLU's two gradients, the two gradients between blocks); here
+        // the head, its 100,288-wide logits.
+        let inputs = tokens * 1536.0 * 2.0;
+        assert!(head > tokens * (block + 2.0 * 4096.0) * 2.0 + 2.0 * inputs);
         assert!(close(
             flash.memory.activations_recomputed,
-            24.0 * tokens * 1536.0 * 2.0 + tokens * block * 2.0 + head
+            24.0 * inputs + head
         ));
         let explicit = plan(
             "paper/size-scaling/830m-transformer",
@@ -623,15 +695,33 @@ mod tests {
             assert!(!plan.lines().iter().any(|l| l.contains("days on")));
         }
 
-        // The explicit path keeps 2·24 maps of 4,096² per layer: it would need recomputation.
+        // The explicit path keeps 2·24 maps of 4,096² per layer: it needs recomputation, which
+        // the plan names, and it times the forward pass recomputation repeats.
         let explicit = plan(
             "paper/3b/diff-360b",
             &["model.attention_impl=\"explicit\""],
             "h100",
-            None,
+            Some(8),
         );
         assert_eq!(explicit.fit, Fit::NeedsRecomputation);
-        assert_no_time_for_what_cannot_run(&explicit);
+        assert!(explicit.runnable());
+        let lines = explicit.lines();
+        assert!(
+            lines[2].contains("only with per-block recomputation")
+                && lines[2].contains("--set training.recompute=\"block\""),
+            "{lines:?}"
+        );
+        assert!(
+            explicit
+                .data_parallel
+                .as_deref()
+                .is_some_and(|l| l.contains("--devices cuda:0") && l.contains(RECOMPUTE_SET)),
+            "{lines:?}"
+        );
+        assert!(close(
+            explicit.gpu_hours.unwrap(),
+            RECOMPUTE_FLOPS * flops / (989.4e12 * 0.4) / 3600.0
+        ));
         let h200 = plan(
             "paper/3b/diff-360b",
             &["model.attention_impl=\"explicit\""],
@@ -664,13 +754,27 @@ mod tests {
 
     #[test]
     fn plans_that_cannot_run_say_what_they_need_and_nothing_else() {
-        // 64K context: flash keeps no maps, but 28 layers of 65,536 tokens still outgrow an H200
-        // without recomputation.
+        // 64K context: flash keeps no maps, but 28 layers of 65,536 tokens outgrow an H200
+        // unless blocks are recomputed, which the recipe does: it fits one H200.
         let long = plan("paper/3b/diff-64k", &[], "h200", None);
         assert_eq!(long.attention, "flash");
-        assert_eq!(long.fit, Fit::NeedsRecomputation, "{:?}", long.lines());
-        assert_no_time_for_what_cannot_run(&long);
-        assert!(long.lines()[2].contains("per-block activation recomputation"));
+        assert!(long.recompute);
+        assert_eq!(long.fit, Fit::Fits, "{:?}", long.lines());
+        assert!(close(
+            long.memory.activations,
+            long.memory.activations_recomputed
+        ));
+        assert!(long.lines()[1].contains("blocks recomputed"));
+        assert!(long.days.is_some());
+        let kept = plan(
+            "paper/3b/diff-64k",
+            &["training.recompute=\"none\""],
+            "h200",
+            None,
+        );
+        assert_eq!(kept.fit, Fit::NeedsRecomputation, "{:?}", kept.lines());
+        assert!(kept.memory.activations > 4.0 * kept.memory.activations_recomputed);
+        assert!(close(kept.days.unwrap(), long.days.unwrap()));
 
         // 13.1B in bf16 with AdamW needs 16 bytes per parameter: a sharded optimizer, which
         // Burn's DDP does not do. No "days on 4 × H100" after "cannot train".

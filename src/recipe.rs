@@ -276,6 +276,21 @@ pub struct TrainingSection {
     /// Start from these weights (a run directory, or a model or checkpoint file) instead of a
     /// fresh initialisation; the optimizer and schedule start anew.
     pub init_from: Option<String>,
+    /// `"none"` or `"block"`: each block keeps only its input and runs again in the backward
+    /// pass (one more forward pass per step; activations of one block at a time).
+    #[serde(default)]
+    pub recompute: Recompute,
+}
+
+/// `training.recompute`: what the backward pass recomputes instead of keeping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Recompute {
+    /// Every activation of the forward pass is kept for the backward pass.
+    #[default]
+    None,
+    /// Per-block recomputation ([`diffzoo_models::recompute`]).
+    Block,
 }
 
 fn default_seed() -> u64 {

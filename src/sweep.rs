@@ -11,7 +11,7 @@
 //! continues it.
 
 use crate::Outcome;
-use crate::plan::{Gpu, Plan};
+use crate::plan::{Fit, Gpu, Plan};
 use crate::recipe::{self, Recipe};
 use crate::run;
 use crate::slurm::{self, After, Job, SlurmArgs};
@@ -635,6 +635,19 @@ fn slurm_jobs(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
             for Member { name, recipe, .. } in pending.iter().copied() {
                 let resolved = recipe::resolve(recipe, &[])?;
                 let plan = Plan::new(&resolved.recipe, Gpu::parse(spec)?, Some(gpus), 0.4)?;
+                // A recipe that fits only with recomputation it does not turn on would run out
+                // of memory as written: the recipe has to say so, not the sweep.
+                if plan.fit == Fit::NeedsRecomputation {
+                    let m = &plan.memory;
+                    let state = m.weights + m.gradients + m.optimizer;
+                    unfit.push(format!(
+                        "{name} cannot run on {gpus} × {} as written: it fits only with per-block recomputation, `training.recompute = \"block\"` in its [training] ({:.1} GB per GPU with it, {:.1} GB without)",
+                        plan.gpu.name,
+                        (state + m.activations_recomputed) / 1e9,
+                        (state + m.activations) / 1e9
+                    ));
+                    continue;
+                }
                 if !plan.runnable() {
                     // The lines after memory and activations say why (the last one is FLOPs).
                     let lines = plan.lines();

@@ -2,14 +2,16 @@
 //! really keeps for the backward pass, measured on Flex in f32: the bytes still allocated once the
 //! loss exists, less those allocated before the forward pass. Each variant, MHA and GQA, the
 //! explicit and the flash path, short and long sequences; the plan (`diffzoo recipe show --json`)
-//! must be within 25% of the measurement.
+//! must be within 25% of the measurement. With per-block recomputation nothing is kept between
+//! the passes: there the plan is held to the peak of a whole recomputed backward pass (bytes
+//! above those allocated before it, each partial pass's gradients dropped as they come).
 //!
 //! One test in its own binary: the allocator counts every thread's allocations, so nothing else
 //! may run beside it.
 
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use diffzoo_models::{AttentionImpl, AttentionKind, ModelConfig};
+use diffzoo_models::{AttentionImpl, AttentionKind, Model, ModelConfig};
 use serde_json::Value;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::process::Command;
@@ -18,13 +20,19 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 struct Counting;
 
 static LIVE: AtomicIsize = AtomicIsize::new(0);
+static PEAK: AtomicIsize = AtomicIsize::new(0);
+
+fn grew(bytes: isize) {
+    let live = LIVE.fetch_add(bytes, Ordering::SeqCst) + bytes;
+    PEAK.fetch_max(live, Ordering::SeqCst);
+}
 
 // SAFETY: every call is forwarded to the system allocator unchanged; only a counter is added.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
-            LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+            grew(layout.size() as isize);
         }
         p
     }
@@ -32,23 +40,20 @@ unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         let p = unsafe { System.alloc_zeroed(layout) };
         if !p.is_null() {
-            LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+            grew(layout.size() as isize);
         }
         p
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        LIVE.fetch_sub(layout.size() as isize, Ordering::SeqCst);
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if !p.is_null() {
-            LIVE.fetch_add(
-                new_size as isize - layout.size() as isize,
-                Ordering::Relaxed,
-            );
+            grew(new_size as isize - layout.size() as isize);
         }
         p
     }
@@ -66,13 +71,34 @@ fn planned_activations_are_within_a_quarter_of_what_autodiff_keeps() {
     let mut failures = Vec::new();
     for attention in AttentionKind::ALL {
         for (heads, kv_heads) in [(4, 4), (8, 2)] {
-            for (implementation, seq) in [("explicit", 128), ("explicit", 512), ("flash", 512)] {
-                let planned = planned(attention, heads, kv_heads, implementation, seq);
-                let measured = measured(attention, heads, kv_heads, implementation, seq);
+            let cases = [
+                ("explicit", 128, false),
+                ("explicit", 512, false),
+                ("flash", 512, false),
+                ("explicit", 512, true),
+                ("flash", 512, true),
+            ];
+            for (implementation, seq, recompute) in cases {
+                let case = Case {
+                    attention,
+                    heads,
+                    kv_heads,
+                    implementation,
+                    seq,
+                };
+                let (planned, measured) = if recompute {
+                    (
+                        case.planned("activations_recomputed"),
+                        case.peak_recomputed(),
+                    )
+                } else {
+                    (case.planned("activations"), case.kept())
+                };
                 let ratio = planned / measured;
                 let line = format!(
-                    "{attention} H={heads} H_kv={kv_heads} {implementation} S={seq}: \
+                    "{attention} H={heads} H_kv={kv_heads} {implementation} S={seq}{}: \
                      planned {:.2} MiB, measured {:.2} MiB, ratio {ratio:.3}",
+                    if recompute { " recomputed" } else { "" },
                     planned / 1048576.0,
                     measured / 1048576.0
                 );
@@ -86,96 +112,113 @@ fn planned_activations_are_within_a_quarter_of_what_autodiff_keeps() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// The plan's activations for one sequence, from `diffzoo recipe show --json`.
-fn planned(
+/// One measured configuration (d_model, layers and vocabulary fixed above).
+struct Case {
     attention: AttentionKind,
     heads: usize,
     kv_heads: usize,
-    implementation: &str,
+    implementation: &'static str,
     seq: usize,
-) -> f64 {
-    let sets = [
-        format!("model.attention=\"{attention}\""),
-        format!("model.d_model={D_MODEL}"),
-        format!("model.layers={LAYERS}"),
-        format!("model.heads={heads}"),
-        format!("model.kv_heads={kv_heads}"),
-        format!("model.vocab_size={VOCAB}"),
-        format!("model.attention_impl=\"{implementation}\""),
-        "model.attention_block=64".into(),
-        format!("data.seq_len={seq}"),
-        format!("training.batch_tokens={seq}"),
-        "training.micro_batch=1".into(),
-        "training.dtype=\"f32\"".into(),
-    ];
-    let mut command = Command::new(env!("CARGO_BIN_EXE_diffzoo"));
-    command.args(["recipe", "show", "micro", "--gpu", "80", "--json"]);
-    for set in &sets {
-        command.args(["--set", set]);
+}
+
+impl Case {
+    /// The plan's `memory.<field>` for one sequence, from `diffzoo recipe show --json`.
+    fn planned(&self, field: &str) -> f64 {
+        let sets = [
+            format!("model.attention=\"{}\"", self.attention),
+            format!("model.d_model={D_MODEL}"),
+            format!("model.layers={LAYERS}"),
+            format!("model.heads={}", self.heads),
+            format!("model.kv_heads={}", self.kv_heads),
+            format!("model.vocab_size={VOCAB}"),
+            format!("model.attention_impl=\"{}\"", self.implementation),
+            "model.attention_block=64".into(),
+            format!("data.seq_len={}", self.seq),
+            format!("training.batch_tokens={}", self.seq),
+            "training.micro_batch=1".into(),
+            "training.dtype=\"f32\"".into(),
+        ];
+        let mut command = Command::new(env!("CARGO_BIN_EXE_diffzoo"));
+        command.args(["recipe", "show", "micro", "--gpu", "80", "--json"]);
+        for set in &sets {
+            command.args(["--set", set]);
+        }
+        let output = command.output().expect("diffzoo runs");
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let json: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+        let params = json["derived"]["params_total"]
+            .as_u64()
+            .expect("params_total");
+        assert_eq!(
+            params,
+            self.config().param_count().total,
+            "the measured model is the planned one"
+        );
+        json["plan"]["memory"][field].as_f64().expect(field)
     }
-    let output = command.output().expect("diffzoo runs");
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let json: Value = serde_json::from_slice(&output.stdout).expect("JSON");
-    let params = json["derived"]["params_total"]
-        .as_u64()
-        .expect("params_total");
-    assert_eq!(
-        params,
-        config(attention, heads, kv_heads, implementation, seq)
-            .param_count()
-            .total,
-        "the measured model is the planned one"
-    );
-    json["plan"]["memory"]["activations"]
-        .as_f64()
-        .expect("activations")
-}
 
-fn config(
-    attention: AttentionKind,
-    heads: usize,
-    kv_heads: usize,
-    implementation: &str,
-    seq: usize,
-) -> ModelConfig {
-    let implementation = match implementation {
-        "flash" => AttentionImpl::Flash { block: 64 },
-        _ => AttentionImpl::Explicit,
-    };
-    ModelConfig::new(attention, D_MODEL, LAYERS, heads, VOCAB, seq)
-        .with_kv_heads(Some(kv_heads))
-        .with_attention_impl(implementation)
-}
+    fn config(&self) -> ModelConfig {
+        let implementation = match self.implementation {
+            "flash" => AttentionImpl::Flash { block: 64 },
+            _ => AttentionImpl::Explicit,
+        };
+        ModelConfig::new(self.attention, D_MODEL, LAYERS, self.heads, VOCAB, self.seq)
+            .with_kv_heads(Some(self.kv_heads))
+            .with_attention_impl(implementation)
+    }
 
-/// Bytes a forward pass and its loss leave allocated for the backward pass, on Flex in f32.
-fn measured(
-    attention: AttentionKind,
-    heads: usize,
-    kv_heads: usize,
-    implementation: &str,
-    seq: usize,
-) -> f64 {
-    let device = Device::flex().autodiff();
-    let model = config(attention, heads, kv_heads, implementation, seq).init(&device);
-    let ids: Vec<i64> = (0..seq as i64)
-        .map(|i| (i * 37 + 11) % VOCAB as i64)
-        .collect();
-    let input = Tensor::<2, Int>::from_data(TensorData::new(ids.clone(), [1, seq]), &device);
-    let targets = Tensor::<1, Int>::from_data(TensorData::new(ids, [seq]), &device);
-    let loss_fn = CrossEntropyLossConfig::new().init(&device);
-    // A first pass allocates what stays (caches, the rotary tables' first use).
-    let warm = loss_fn.forward(
-        model.forward(input.clone()).reshape([seq, VOCAB]),
-        targets.clone(),
-    );
-    drop(warm.backward());
-    let before = LIVE.load(Ordering::SeqCst);
-    let loss = loss_fn.forward(model.forward(input).reshape([seq, VOCAB]), targets);
-    let kept = LIVE.load(Ordering::SeqCst) - before;
-    drop(loss);
-    kept as f64
+    /// The model on Flex (autodiff, f32), one window of tokens and its targets.
+    fn inputs(&self) -> (Model, Tensor<2, Int>, Tensor<1, Int>, Device) {
+        let device = Device::flex().autodiff();
+        let model = self.config().init(&device);
+        let ids: Vec<i64> = (0..self.seq as i64)
+            .map(|i| (i * 37 + 11) % VOCAB as i64)
+            .collect();
+        let input =
+            Tensor::<2, Int>::from_data(TensorData::new(ids.clone(), [1, self.seq]), &device);
+        let targets = Tensor::<1, Int>::from_data(TensorData::new(ids, [self.seq]), &device);
+        (model, input, targets, device)
+    }
+
+    /// Bytes a forward pass and its loss leave allocated for the backward pass.
+    fn kept(&self) -> f64 {
+        let (model, input, targets, device) = self.inputs();
+        let loss_fn = CrossEntropyLossConfig::new().init(&device);
+        let seq = self.seq;
+        // A first pass allocates what stays (caches, the rotary tables' first use).
+        let warm = loss_fn.forward(
+            model.forward(input.clone()).reshape([seq, VOCAB]),
+            targets.clone(),
+        );
+        drop(warm.backward());
+        let before = LIVE.load(Ordering::SeqCst);
+        let loss = loss_fn.forward(model.forward(input).reshape([seq, VOCAB]), targets);
+        let kept = LIVE.load(Ordering::SeqCst) - before;
+        drop(loss);
+        kept as f64
+    }
+
+    /// The most bytes allocated at once during a backward pass with every block recomputed,
+    /// above those allocated before it.
+    fn peak_recomputed(&self) -> f64 {
+        let (model, input, targets, device) = self.inputs();
+        let loss_fn = CrossEntropyLossConfig::new().init(&device);
+        let seq = self.seq;
+        let pass = || {
+            model.backward_recomputed(
+                input.clone(),
+                |logits| loss_fn.forward(logits.reshape([seq, VOCAB]), targets.clone()),
+                drop,
+            )
+        };
+        drop(pass());
+        let before = LIVE.load(Ordering::SeqCst);
+        PEAK.store(before, Ordering::SeqCst);
+        drop(pass());
+        (PEAK.load(Ordering::SeqCst) - before) as f64
+    }
 }

@@ -13,6 +13,7 @@
 //! | DIFF V2 | [`attention::DiffV2Attention`] |
 //! | parameter counts, FLOPs, KV cache size | [`budget`] |
 //! | incremental decoding (KV cache) | [`cache`] |
+//! | per-block activation recomputation | [`recompute`] |
 //! | analysis statistics (Table 5 magnitudes, λ) | [`analysis`] |
 //!
 //! ```text
@@ -28,6 +29,7 @@ pub mod cache;
 pub mod config;
 pub mod feed_forward;
 pub mod model;
+pub mod recompute;
 
 pub use analysis::{AbsAccumulator, AbsStats, Allocation, LayerStats, allocation};
 pub use attention::{Attention, AttentionProbe};

@@ -212,7 +212,7 @@ impl Model {
         self.blocks.iter().filter_map(|b| b.attn.lambda()).collect()
     }
 
-    fn head(&self, h: Tensor<3>) -> Tensor<3> {
+    pub(crate) fn head(&self, h: Tensor<3>) -> Tensor<3> {
         let h = self.norm.forward(h);
         match &self.lm_head {
             Some(head) => head.forward(h),

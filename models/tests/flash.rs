@@ -7,11 +7,10 @@
 
 mod common;
 
-use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, DType, Device, Distribution, Gradients, Tensor};
-use common::{assert_close, backends, tokens, tolerance, whole_grid};
+use common::{assert_close, backends, param_grads, tokens, tolerance, whole_grid};
 use diffzoo_models::attention::flash::flash_causal_attention;
 use diffzoo_models::{AttentionImpl, AttentionKind, Model, ModelConfig};
 
@@ -94,38 +93,13 @@ fn compare(
 
 /// Every parameter's gradient, flattened, by path.
 fn collect(model: &Model, grads: &Gradients) -> Vec<(String, Tensor<1>)> {
-    let mut visitor = Collect {
-        grads,
-        path: Vec::new(),
-        found: Vec::new(),
-    };
-    model.visit(&mut visitor);
-    visitor.found
-}
-
-struct Collect<'a> {
-    grads: &'a Gradients,
-    path: Vec<String>,
-    found: Vec<(String, Tensor<1>)>,
-}
-
-impl ModuleVisitor for Collect<'_> {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.push(name.to_string());
-    }
-
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
-    }
-
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let name = self.path.join(".");
-        let grad = param
-            .grad(self.grads)
-            .unwrap_or_else(|| panic!("no gradient reaches {name}"));
-        let n = grad.shape().num_elements();
-        self.found.push((name, grad.reshape([n])));
-    }
+    param_grads(model, grads)
+        .into_iter()
+        .map(|(name, grad)| {
+            let grad = grad.unwrap_or_else(|| panic!("no gradient reaches {name}"));
+            (name, grad)
+        })
+        .collect()
 }
 
 /// `softmax(q·kᵀ/√d + causal mask)·v`, written out.

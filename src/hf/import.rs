@@ -15,7 +15,8 @@ use super::{
     write_file, write_safetensors,
 };
 use crate::recipe::{
-    CheckpointSection, DataSection, OptimizerSection, Recipe, ScheduleSection, TrainingSection,
+    CheckpointSection, DataSection, OptimizerSection, Recipe, Recompute, ScheduleSection,
+    TrainingSection,
 };
 use crate::run;
 use anyhow::{Context, Result, anyhow, bail};
@@ -167,6 +168,7 @@ fn recipe_of(
             device: "cpu".into(),
             log_every: 10,
             init_from: Some(out.display().to_string()),
+            recompute: Recompute::None,
         },
         checkpoint: CheckpointSection::default(),
     })

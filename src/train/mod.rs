@@ -28,7 +28,7 @@ pub mod tensorboard;
 
 use crate::Outcome;
 use crate::device;
-use crate::recipe::{self, NeedleSection, OptimizerSection, Recipe};
+use crate::recipe::{self, NeedleSection, OptimizerSection, Recipe, Recompute};
 use crate::run::{self, RunEnd};
 use anyhow::{Context, Result, anyhow, bail};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
@@ -396,6 +396,7 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
                 .with_tensorboard(&dir.join(tensorboard::DIR), &dir.join(run::METRICS))
                 .with_context(|| format!("writing {}", dir.join(tensorboard::DIR).display()))?,
         )
+        .recomputing(recipe.training.recompute)
         .data_parallel(ranks),
     );
     let trainee = Trainee {
@@ -413,6 +414,11 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
         recipe.accumulation(),
         dir.display()
     );
+    if recipe.training.recompute == Recompute::Block {
+        println!(
+            "blocks recomputed in the backward pass (training.recompute = \"block\"): each keeps only its input, one more forward pass per step"
+        );
+    }
     if ranks > 1 {
         println!(
             "data parallel over {ranks} devices: {shares} micro-batches each per step, gradients averaged by all-reduce"

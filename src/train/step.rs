@@ -7,10 +7,11 @@ use super::loader::StepBatch;
 use super::metrics::{LogRecord, MetricsLog, StepStats};
 use super::schedule::Schedule;
 use super::signals;
+use crate::recipe::Recompute;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Gradients, Tensor};
 use burn::train::{InferenceStep, Interrupter, TrainOutput, TrainStep};
 use diffzoo_datasets::LmBatch;
 use diffzoo_models::{Model, target_log_probs};
@@ -23,7 +24,12 @@ use std::time::Instant;
 /// the micro-batch size, and with every target scored this is the plain mean (windows have one
 /// length).
 pub fn lm_loss(model: &Model, batch: &LmBatch) -> Tensor<1> {
-    let logits = model.forward(batch.inputs.clone()).cast(DType::F32);
+    batch_loss(model.forward(batch.inputs.clone()), batch)
+}
+
+/// [`lm_loss`] of the model's `logits` for `batch`.
+fn batch_loss(logits: Tensor<3>, batch: &LmBatch) -> Tensor<1> {
+    let logits = logits.cast(DType::F32);
     if let Some(scored) = &batch.scored {
         let scored = scored.clone().cast(DType::F32);
         let nll = target_log_probs(logits, batch.targets.clone()).neg();
@@ -39,21 +45,37 @@ pub fn lm_loss(model: &Model, batch: &LmBatch) -> Tensor<1> {
         )
 }
 
-/// Mean loss and token count over micro-batches, with an action on each micro-batch's loss.
-fn over_batches(
-    model: &Model,
-    batches: &[LmBatch],
-    mut each: impl FnMut(Tensor<1>),
-) -> (f64, usize) {
+/// Mean loss and token count over micro-batches, each micro-batch's loss from `loss`.
+fn over_batches(batches: &[LmBatch], mut loss: impl FnMut(&LmBatch) -> Tensor<1>) -> (f64, usize) {
     let (mut sum, mut tokens) = (0.0, 0);
     for batch in batches {
-        let loss = lm_loss(model, batch);
-        sum += loss.clone().into_scalar::<f64>();
+        sum += loss(batch).into_scalar::<f64>();
         let [b, s] = batch.targets.dims();
         tokens += b * s;
-        each(loss);
     }
     (sum / batches.len() as f64, tokens)
+}
+
+/// A micro-batch's loss, its gradients handed to `accumulate` (one backward pass, or one per
+/// block when blocks are recomputed).
+pub fn backward(
+    model: &Model,
+    batch: &LmBatch,
+    recompute: Recompute,
+    mut accumulate: impl FnMut(Gradients),
+) -> Tensor<1> {
+    match recompute {
+        Recompute::None => {
+            let loss = lm_loss(model, batch);
+            accumulate(loss.backward());
+            loss
+        }
+        Recompute::Block => model.backward_recomputed(
+            batch.inputs.clone(),
+            |logits| batch_loss(logits, batch),
+            accumulate,
+        ),
+    }
 }
 
 /// How a run reports and stops: the metrics log, printing (when no dashboard is shown),
@@ -63,6 +85,8 @@ fn over_batches(
 pub struct StepContext {
     pub schedule: Schedule,
     pub grad_clip: f64,
+    /// Whether each block's forward runs again in the backward pass (`training.recompute`).
+    pub recompute: Recompute,
     pub batch_tokens: u64,
     pub total_steps: usize,
     pub interrupter: Interrupter,
@@ -113,6 +137,7 @@ impl StepContext {
         Self {
             schedule,
             grad_clip,
+            recompute: Recompute::None,
             batch_tokens,
             total_steps: intervals.total,
             requests: Interrupter::new(),
@@ -132,6 +157,12 @@ impl StepContext {
                 gathered: None,
             }),
         }
+    }
+
+    /// Blocks recomputed in the backward pass or not (`training.recompute`).
+    pub fn recomputing(mut self, recompute: Recompute) -> Self {
+        self.recompute = recompute;
+        self
     }
 
     /// Steps are shared by `ranks` devices (data parallelism), each reporting its share.
@@ -358,13 +389,12 @@ impl TrainStep for Trainee {
         let started = Instant::now();
         let context = self.context();
         let mut accumulator = GradientsAccumulator::new();
-        let (loss, tokens) = over_batches(&self.model, &item.micro, |loss| {
-            let backward = loss.backward();
-            context.backward_done();
-            accumulator.accumulate(
-                &self.model,
-                GradientsParams::from_grads(backward, &self.model),
-            );
+        let (loss, tokens) = over_batches(&item.micro, |batch| {
+            backward(&self.model, batch, context.recompute, |grads| {
+                context.backward_done();
+                accumulator
+                    .accumulate(&self.model, GradientsParams::from_grads(grads, &self.model));
+            })
         });
         let mut grads = accumulator.grads();
         // Burn's accumulation sums; PyTorch users expect the mean over micro-batches.
@@ -398,7 +428,7 @@ impl InferenceStep for Trainee {
     type Output = StepStats;
 
     fn step(&self, item: StepBatch) -> StepStats {
-        let (loss, tokens) = over_batches(&self.model, &item.micro, |_| {});
+        let (loss, tokens) = over_batches(&item.micro, |batch| lm_loss(&self.model, batch));
         let stats = StepStats {
             loss,
             tokens,

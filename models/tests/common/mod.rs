@@ -2,8 +2,9 @@
 //! tensor comparisons.
 #![allow(dead_code)]
 
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::store::{ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore};
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Gradients, Int, Tensor, TensorData};
 use diffzoo_models::{AttentionImpl, AttentionKind, Model, ModelConfig};
 use safetensors::{Dtype, SafeTensors};
 use std::path::PathBuf;
@@ -185,5 +186,40 @@ pub fn tolerance(backend: &str) -> f32 {
     match backend {
         "wgpu" | "cuda" => 1e-4,
         _ => 1e-5,
+    }
+}
+
+/// Every parameter's gradient in `grads` (`None` where it has none), flattened, by path.
+pub fn param_grads(model: &Model, grads: &Gradients) -> Vec<(String, Option<Tensor<1>>)> {
+    let mut visitor = Collect {
+        grads,
+        path: Vec::new(),
+        found: Vec::new(),
+    };
+    model.visit(&mut visitor);
+    visitor.found
+}
+
+struct Collect<'a> {
+    grads: &'a Gradients,
+    path: Vec<String>,
+    found: Vec<(String, Option<Tensor<1>>)>,
+}
+
+impl ModuleVisitor for Collect<'_> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let grad = param.grad(self.grads).map(|grad| {
+            let n = grad.shape().num_elements();
+            grad.reshape([n])
+        });
+        self.found.push((self.path.join("."), grad));
     }
 }
