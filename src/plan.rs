@@ -20,7 +20,8 @@
 //! these formulas to what a forward pass keeps on Flex in f32. The head keeps the final norm (`2·d_model`), the logits and their f32
 //! log-softmax (`vocab·(b + 4)` bytes). With per-block recomputation (`training.recompute =
 //! "block"`, [`diffzoo_models::recompute`]) a step keeps every block's input (`d_model` per token
-//! and layer) and, at its peak, the larger of the head's activations and one block's backward
+//! and layer) and, at its peak, the larger of the head's backward pass (its activations and one
+//! f32 gradient of the logits' size, `4·vocab` bytes) and one block's backward
 //! pass: its activations, the gradients its backward pass holds beside them (`2·ffn`, and on the
 //! explicit path `2·maps·S`) and the two gradients flowing between blocks (`2·d_model`). Nothing is
 //! kept between the passes there, so `tests/plan_memory.rs` holds this to the peak of a whole
@@ -231,7 +232,10 @@ impl Plan {
         let block = tokens * block_elements(&config, recipe.data.seq_len, b as f64) * b as f64;
         let inputs = tokens * dm * b as f64;
         let backward = tokens * block_backward_elements(&config, recipe.data.seq_len) * b as f64;
-        let recomputed = layers * inputs + head.max(block + backward + 2.0 * inputs);
+        // The head's backward pass holds one f32 gradient of the logits' size at a time.
+        let head_backward = tokens * vocab * 4.0;
+        let recomputed =
+            layers * inputs + (head + head_backward).max(block + backward + 2.0 * inputs);
         let recompute = recipe.training.recompute == Recompute::Block;
         let memory = Memory {
             weights: n * b as f64,
@@ -580,14 +584,15 @@ mod tests {
             flash.memory.activations,
             24.0 * tokens * block * 2.0 + head
         ));
-        // Recomputed: the 24 block inputs and the larger of the head and one block's backward
-        // pass (its activations, SwiGLU's two gradients, the two gradients between blocks); here
-        // the head, its 100,288-wide logits.
+        // Recomputed: the 24 block inputs and the larger of the head's backward pass (with an
+        // f32 gradient of its 100,288-wide logits) and one block's (its activations, SwiGLU's
+        // two gradients, the two gradients between blocks); here the head's.
         let inputs = tokens * 1536.0 * 2.0;
-        assert!(head > tokens * (block + 2.0 * 4096.0) * 2.0 + 2.0 * inputs);
+        let head_backward = head + tokens * 100_288.0 * 4.0;
+        assert!(head_backward > tokens * (block + 2.0 * 4096.0) * 2.0 + 2.0 * inputs);
         assert!(close(
             flash.memory.activations_recomputed,
-            24.0 * inputs + head
+            24.0 * inputs + head_backward
         ));
         let explicit = plan(
             "paper/size-scaling/830m-transformer",

@@ -224,6 +224,8 @@ fn train_checkpoint_resume_generate_and_evaluate() {
         .collect();
     std::fs::write(killed.join("metrics.jsonl"), kept.join("\n") + "\n").unwrap();
 
+    // Resumed with blocks recomputed, as the planner advises a run that ran out of memory: the
+    // arithmetic is the same, so it is not another recipe.
     let stdout = ok(&[
         "train",
         "--recipe",
@@ -231,6 +233,8 @@ fn train_checkpoint_resume_generate_and_evaluate() {
         "--out",
         path(&killed),
         "--resume",
+        "--set",
+        "training.recompute=\"block\"",
     ]);
     assert!(
         stdout.contains("resuming from checkpoint 1 (step 10)"),

@@ -50,6 +50,7 @@ impl Model {
         let value = loss(self.head(last.clone()));
         let mut grads = value.backward();
         let mut grad = Self::input_grad(&last, &mut grads);
+        drop(last);
         each(grads);
 
         for (block, input) in self.blocks.iter().zip(inputs).rev() {

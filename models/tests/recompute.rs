@@ -13,8 +13,8 @@ use diffzoo_models::{AttentionImpl, AttentionKind, Model, ModelConfig};
 /// (H, H_kv, tied embeddings, attention). A backend that does not run the whole grid runs the
 /// GQA point.
 const CASES: [(usize, usize, bool, AttentionImpl); 2] = [
-    (4, 4, true, AttentionImpl::Explicit),
-    (8, 2, false, AttentionImpl::Flash { block: 5 }),
+    (4, 4, false, AttentionImpl::Explicit),
+    (8, 2, true, AttentionImpl::Flash { block: 5 }),
 ];
 
 const LAYERS: usize = 3;

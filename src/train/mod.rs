@@ -116,11 +116,13 @@ pub fn configure_dtype(device: &mut Device, name: &str, spec: &str, setting: &st
 }
 
 /// What keeps `given` from resuming a run trained with `stored`: each key that differs, with
-/// both values (the device may change on resume).
+/// both values (the device and `training.recompute` may change on resume: neither changes the
+/// arithmetic).
 fn resume_conflicts(stored: &Recipe, given: &Recipe) -> Vec<String> {
     let unplaced = |recipe: &Recipe| {
         let mut recipe = recipe.clone();
         recipe.training.device = String::new();
+        recipe.training.recompute = Recompute::None;
         recipe
     };
     let unset = || "unset".to_string();
