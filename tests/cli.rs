@@ -2042,32 +2042,24 @@ fn slurm_scripts_are_written_and_bad_requests_named() {
     assert!(refused(sweep(&["--slurm"])).contains("nothing to run"));
     // GPU plans: the largest paper recipe does not fit one H100; the mini sweep is timed.
     let planned = tmp.path().join("planned");
-    let message = fails(&[
-        "sweep",
-        "paper/size-scaling",
-        "--out",
-        path(&planned),
-        "--slurm",
-        "--gpu",
-        "h100",
-    ]);
+    let paper_on = |gpus: &[&str]| {
+        let sweep = [
+            "sweep",
+            "paper/size-scaling",
+            "--out",
+            path(&planned),
+            "--slurm",
+        ];
+        fails(&[&sweep[..], gpus].concat())
+    };
+    let message = paper_on(&["--gpu", "h100"]);
     assert!(
         message.contains("13.1b") && message.contains("cannot run on 1 × H100"),
         "{message}"
     );
     // On H200s the 13.1B recipes fit only with recomputation, which they do not turn on: the
     // sweep names the setting instead of writing a job that would run out of memory.
-    let message = fails(&[
-        "sweep",
-        "paper/size-scaling",
-        "--out",
-        path(&planned),
-        "--slurm",
-        "--gpu",
-        "h200",
-        "--gpus-per-run",
-        "8",
-    ]);
+    let message = paper_on(&["--gpu", "h200", "--gpus-per-run", "8"]);
     assert!(
         message.contains("13.1b-diff cannot run on 8 × H200 141GB as written")
             && message.contains("training.recompute = \"block\""),

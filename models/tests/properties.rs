@@ -3,9 +3,11 @@
 
 mod common;
 
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::{Device, Gradients, Int, Tensor};
-use common::{IMPLS, assert_close, backends, max_abs_diff, tokens, tolerance, whole_grid};
+use burn::module::{Module, Param};
+use burn::tensor::{Device, Int, Tensor};
+use common::{
+    IMPLS, assert_close, backends, max_abs_diff, param_grads, tokens, tolerance, whole_grid,
+};
 use diffzoo_models::{Attention, AttentionKind, ModelConfig, lambda_init};
 
 fn device() -> Device {
@@ -212,34 +214,6 @@ fn lambda_init_follows_the_paper_schedule() {
     }
 }
 
-/// Collects the parameter paths whose gradient is missing or all zero.
-struct GradientCheck<'a> {
-    grads: &'a Gradients,
-    path: Vec<String>,
-    dead: Vec<String>,
-    seen: usize,
-}
-
-impl ModuleVisitor for GradientCheck<'_> {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.push(name.to_string());
-    }
-
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
-    }
-
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        self.seen += 1;
-        let alive = param
-            .grad(self.grads)
-            .is_some_and(|g| g.abs().max().into_scalar::<f32>() > 0.0);
-        if !alive {
-            self.dead.push(self.path.join("."));
-        }
-    }
-}
-
 #[test]
 fn gradients_reach_every_parameter() {
     let device = device().autodiff();
@@ -250,20 +224,19 @@ fn gradients_reach_every_parameter() {
             .forward(tokens(2, 10, 61, 5, &device))
             .powf_scalar(2.0)
             .mean();
-        let grads = loss.backward();
-        let mut check = GradientCheck {
-            grads: &grads,
-            path: Vec::new(),
-            dead: Vec::new(),
-            seen: 0,
-        };
-        model.visit(&mut check);
-        assert!(check.seen > 0);
-        assert!(
-            check.dead.is_empty(),
-            "{attention}: no gradient for {:?}",
-            check.dead
-        );
+        let grads = param_grads(&model, &loss.backward());
+        assert!(!grads.is_empty());
+        // The parameter paths whose gradient is missing or all zero.
+        let dead: Vec<&String> = grads
+            .iter()
+            .filter(|(_, grad)| {
+                !grad
+                    .as_ref()
+                    .is_some_and(|g| g.clone().abs().max().into_scalar::<f32>() > 0.0)
+            })
+            .map(|(name, _)| name)
+            .collect();
+        assert!(dead.is_empty(), "{attention}: no gradient for {dead:?}");
     }
 }
 
