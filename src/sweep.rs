@@ -676,7 +676,7 @@ fn slurm_jobs(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
             }
             if !unfit.is_empty() {
                 bail!(
-                    "{}\n(sweep a directory of the other recipes, or ask for a larger --gpu or more --gpus-per-run)",
+                    "{}\n(sweep a directory of the other recipes, set what a recipe is asked to, or ask for a larger --gpu or more --gpus-per-run)",
                     unfit.join("\n")
                 );
             }

@@ -237,7 +237,8 @@ fn train_checkpoint_resume_generate_and_evaluate() {
         "training.recompute=\"block\"",
     ]);
     assert!(
-        stdout.contains("resuming from checkpoint 1 (step 10)"),
+        stdout.contains("resuming from checkpoint 1 (step 10)")
+            && stdout.contains("blocks recomputed in the backward pass"),
         "{stdout}"
     );
     let resumed = records(&killed, "train");

@@ -11,10 +11,12 @@ use common::{assert_close, backends, param_grads, tokens, tolerance, whole_grid}
 use diffzoo_models::{AttentionImpl, AttentionKind, Model, ModelConfig};
 
 /// (H, H_kv, tied embeddings, attention). A backend that does not run the whole grid runs the
-/// GQA point.
-const CASES: [(usize, usize, bool, AttentionImpl); 2] = [
+/// tied GQA flash point.
+const CASES: [(usize, usize, bool, AttentionImpl); 4] = [
     (4, 4, false, AttentionImpl::Explicit),
+    (4, 4, true, AttentionImpl::Flash { block: 5 }),
     (8, 2, true, AttentionImpl::Flash { block: 5 }),
+    (8, 2, false, AttentionImpl::Explicit),
 ];
 
 const LAYERS: usize = 3;
@@ -26,7 +28,7 @@ fn recomputed_blocks_give_the_gradients_of_one_backward_pass() {
         for attention in AttentionKind::ALL {
             let cases = CASES
                 .into_iter()
-                .filter(|case| whole_grid(backend) || case.1 == 2);
+                .filter(|case| whole_grid(backend) || (case.1 == 2 && case.2));
             for (heads, kv_heads, tied, implementation) in cases {
                 let what = format!(
                     "{backend}: {attention} H={heads} H_kv={kv_heads} tied={tied} {implementation:?}"
