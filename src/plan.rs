@@ -18,15 +18,15 @@
 //! V) repeats them; V2's 2H query heads always repeat its H_kv. DIFF V1 adds subln's input and
 //! output (`2·d_model`); DIFF V2 adds the paired output (`H·d`). `tests/plan_memory.rs` holds
 //! these formulas to what a forward pass keeps on Flex in f32. The head keeps the final norm
-//! (`2·d_model`), the logits and their f32 log-softmax (`vocab·(b + 4)` bytes). With per-block recomputation (`training.recompute =
-//! "block"`, [`diffzoo_models::recompute`]) a step keeps every block's input (`d_model` per token
-//! and layer) and, at its peak, the larger of the head's backward pass (its activations and one
-//! f32 gradient of the logits' size, `4·vocab` bytes) and one block's backward
-//! pass: its activations, the gradients its backward pass holds beside them (`2·ffn`, and on the
-//! explicit path `2·maps·S`) and the two gradients flowing between blocks (`2·d_model`). Nothing is
-//! kept between the passes there, so `tests/plan_memory.rs` holds this to the peak of a whole
-//! recomputed backward pass. It costs one more forward pass per step, which the time estimate
-//! counts (4/3 of the training FLOPs).
+//! (`2·d_model`), the logits and their f32 log-softmax (`vocab·(b + 4)` bytes). With per-block
+//! recomputation (`training.recompute = "block"`, [`diffzoo_models::recompute`]) a step keeps every
+//! block's input (`d_model` per token and layer) and, at its peak, the larger of the head's
+//! backward pass (its activations and one f32 gradient of the logits' size, `4·vocab` bytes) and
+//! one block's backward pass: its activations, the gradients its backward pass holds beside them
+//! (`2·ffn`, and on the explicit path `2·maps·S`) and the two gradients flowing between blocks
+//! (`2·d_model`). Nothing is kept between the passes there, so `tests/plan_memory.rs` holds this to
+//! the peak of a whole recomputed backward pass. It costs one more forward pass per step, which the
+//! time estimate counts (4/3 of the training FLOPs).
 //!
 //! A plan only offers what diffzoo can execute: one GPU, or data parallelism on one node (Burn's
 //! DDP keeps a whole replica, optimizer state included, on every GPU). What fits only with
@@ -93,6 +93,13 @@ pub struct Memory {
     pub activations_recomputed: f64,
 }
 
+impl Memory {
+    /// Weights, gradients and optimizer state: what stays between steps.
+    pub fn state(&self) -> f64 {
+        self.weights + self.gradients + self.optimizer
+    }
+}
+
 /// How a plan can run, or what it would need.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -147,12 +154,13 @@ fn block_elements(config: &ModelConfig, seq_len: usize, b: f64) -> f64 {
     let (ffn, s) = (config.ffn_hidden() as f64, seq_len as f64);
     let explicit = !matches!(config.attention_impl, AttentionImpl::Flash { .. });
     let gqa = h > h_kv;
-    // Query-side maps, the values' width, the copies of K and V that repeating them to the query
-    // heads makes (`repeat_kv` with n_rep = 1 returns its input), and what the variant adds.
-    let (q, kv, maps, d_v, copies, extra) = match config.attention {
+    // Query-side width, the values' width, the copies of K and V that repeating them to the
+    // query heads makes (`repeat_kv` with n_rep = 1 returns its input), and what the variant adds.
+    let maps = attention_maps(config);
+    let (q, kv, d_v, copies, extra) = match config.attention {
         AttentionKind::Transformer => {
             let copies = if gqa { h * d + h * d } else { 0.0 };
-            (h * d, h_kv * d, h, d, copies, 0.0)
+            (h * d, h_kv * d, d, copies, 0.0)
         }
         AttentionKind::Diff => {
             // K: 2H' half-heads of d under GQA. V: H' heads of 2d under GQA on the explicit
@@ -163,10 +171,10 @@ fn block_elements(config: &ModelConfig, seq_len: usize, b: f64) -> f64 {
                 (true, true) => (h / 2.0) * 2.0 * d,
                 (true, false) => 0.0,
             };
-            (h * d, h_kv * d, h, 2.0 * d, k + v, 2.0 * dm)
+            (h * d, h_kv * d, 2.0 * d, k + v, 2.0 * dm)
         }
         // 2H query heads always repeat the H_kv keys and values.
-        AttentionKind::DiffV2 => (2.0 * h * d, h_kv * d, 2.0 * h, d, 4.0 * h * d, h * d),
+        AttentionKind::DiffV2 => (2.0 * h * d, h_kv * d, d, 4.0 * h * d, h * d),
     };
     let attention = if explicit {
         3.0 * maps * s
@@ -177,15 +185,21 @@ fn block_elements(config: &ModelConfig, seq_len: usize, b: f64) -> f64 {
     4.0 * dm + (q + 2.0 * kv) + (q + kv) + copies + attention + dm + 4.0 * ffn + extra
 }
 
+/// Attention maps per position of one block: H for the baseline and DIFF V1 (its 2H' = H
+/// half-head maps), 2H for DIFF V2.
+fn attention_maps(config: &ModelConfig) -> f64 {
+    match config.attention {
+        AttentionKind::DiffV2 => 2.0 * config.heads as f64,
+        AttentionKind::Transformer | AttentionKind::Diff => config.heads as f64,
+    }
+}
+
 /// What one block's backward pass holds beside its activations, per token, in elements: the
 /// gradients of SwiGLU's gate and up projection (`2·ffn`) and, on the explicit path, those of
 /// every map's probabilities and logits (dP and dS, `2·maps·S`). Only the recomputed plan counts
 /// it: there one block's backward pass is the peak.
 fn block_backward_elements(config: &ModelConfig, seq_len: usize) -> f64 {
-    let maps = match config.attention {
-        AttentionKind::DiffV2 => 2.0 * config.heads as f64,
-        _ => config.heads as f64,
-    };
+    let maps = attention_maps(config);
     let explicit = !matches!(config.attention_impl, AttentionImpl::Flash { .. });
     let attention = if explicit {
         2.0 * maps * seq_len as f64
@@ -249,7 +263,7 @@ impl Plan {
             activations_recomputed: recomputed,
         };
         let usable = gpu.memory_bytes * USABLE;
-        let state = memory.weights + memory.gradients + memory.optimizer;
+        let state = memory.state();
         let replicated = memory.weights + memory.gradients + memory.activations_recomputed;
         let fit = if state + memory.activations <= usable {
             Fit::Fits
@@ -366,7 +380,7 @@ impl Plan {
             ),
         ];
         let usable = gb(self.gpu.memory_bytes * USABLE);
-        let state = m.weights + m.gradients + m.optimizer;
+        let state = m.state();
         let needed = gb(state + m.activations);
         lines.push(match self.fit {
             Fit::Fits => format!("fits one {name} ({needed:.1} of {usable:.0} GB usable)"),
