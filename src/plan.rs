@@ -477,6 +477,14 @@ pub fn show(
         "# training FLOPs: {:.3e} per token, {:.3e} for the run",
         derived.training_flops_per_token, derived.training_flops
     );
+    let seeds = &resolved.recipe.training.seeds;
+    if !seeds.is_empty() {
+        println!(
+            "# trained once per seed (`training.seeds`): {} runs, each with the numbers above{}",
+            seeds.len(),
+            if plan.is_some() { " and below" } else { "" }
+        );
+    }
     for line in plan.iter().flat_map(|p| p.lines()) {
         println!("# {line}");
     }

@@ -264,6 +264,10 @@ pub struct TrainingSection {
     pub micro_batch: usize,
     #[serde(default = "default_seed")]
     pub seed: u64,
+    /// Train once per seed instead, each run in `RUN/seed-N` with `seed = N` (its own data order
+    /// and initialisation); `diffzoo sweep` does the same for every recipe of a sweep.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub seeds: Vec<u64>,
     /// `f32`, `bf16` or `f16`.
     #[serde(default = "default_dtype")]
     pub dtype: String,
@@ -467,6 +471,17 @@ impl Recipe {
         }
         if t.log_every == 0 {
             return Err("`training.log_every` must be positive".into());
+        }
+        if t.seeds.len() > 1 << 10 {
+            return Err(format!(
+                "`training.seeds` holds {} seeds, above the limit {}",
+                t.seeds.len(),
+                1 << 10
+            ));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        if let Some(seed) = t.seeds.iter().find(|s| !seen.insert(**s)) {
+            return Err(format!("`training.seeds`: {seed} is given twice"));
         }
         let o = &self.optimizer;
         if !(o.lr > 0.0 && o.lr.is_finite()) {
@@ -1052,6 +1067,28 @@ pub fn list(json: bool) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn seeds_are_checked_and_left_out_of_a_recipe_without_them() {
+        let tiny = resolve("tiny", &[]).unwrap().recipe;
+        assert!(tiny.training.seeds.is_empty() && !tiny.to_toml().contains("seeds"));
+        let seeded = resolve("tiny", &["training.seeds=[3,1,2]".into()])
+            .unwrap()
+            .recipe;
+        assert_eq!(seeded.training.seeds, [3, 1, 2]);
+        let again: Recipe = toml::from_str(&seeded.to_toml()).unwrap();
+        assert_eq!(again.training.seeds, [3, 1, 2]);
+        let twice = resolve("tiny", &["training.seeds=[1,2,1]".into()]).unwrap_err();
+        assert!(
+            format!("{twice:#}").contains("`training.seeds`: 1 is given twice"),
+            "{twice:#}"
+        );
+        let negative = resolve("tiny", &["training.seeds=[-1]".into()]).unwrap_err();
+        assert!(
+            format!("{negative:#}").contains("training.seeds"),
+            "{negative:#}"
+        );
+    }
 
     #[test]
     fn differences_name_each_changed_key_with_both_values() {

@@ -81,6 +81,61 @@ impl RunEnd {
     }
 }
 
+/// How the directory of each seed of a run begins: `RUN/seed-N`.
+pub const SEED_PREFIX: &str = "seed-";
+
+/// The directory of seed `seed` of the run `run` (a path relative to a sweep's, or a directory).
+pub fn seed_name(run: &str, seed: u64) -> String {
+    format!("{run}/{SEED_PREFIX}{seed}")
+}
+
+/// The directories of a run's seeds (`RUN/seed-N`), in the order of their seeds.
+pub fn seed_dirs(run: &Path) -> Vec<PathBuf> {
+    let mut dirs: Vec<(u64, PathBuf)> = std::fs::read_dir(run)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .filter_map(|p| {
+            let name = p.file_name()?.to_string_lossy().into_owned();
+            let seed = name.strip_prefix(SEED_PREFIX)?.parse().ok()?;
+            Some((seed, p))
+        })
+        .collect();
+    dirs.sort();
+    dirs.into_iter().map(|(_, p)| p).collect()
+}
+
+/// The seeds of a run over seeds (`RUN/seed-N` holding runs, `RUN` holding none itself); empty
+/// for a plain run.
+pub fn run_seeds(run: &Path) -> Vec<PathBuf> {
+    if run.join(RECIPE).exists() {
+        return Vec::new();
+    }
+    let mut seeds = seed_dirs(run);
+    seeds.retain(|seed| seed.join(RECIPE).exists());
+    seeds
+}
+
+/// The records of a run's `metrics.jsonl` (none when it has no log; unreadable lines skipped).
+pub fn metrics_records(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join(METRICS))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// The last validation loss among a run's metrics records.
+pub fn last_validation_loss(records: &[serde_json::Value]) -> Option<f64> {
+    records
+        .iter()
+        .rev()
+        .find(|r| r["split"] == "validation")
+        .and_then(|r| r["loss"].as_f64())
+}
+
 /// The recipe's tokenizer and token shards (the embedded corpus is prepared and cached on
 /// first use). Errors name the recipe key at fault.
 pub fn open_data(recipe: &Recipe) -> Result<(TextTokenizer, Shards)> {

@@ -8,7 +8,8 @@
 
 use crate::plot::{self, Chart, Series};
 use crate::run;
-use crate::sweep::{run_seeds, summarize};
+use crate::run::run_seeds;
+use crate::sweep::summarize;
 use anyhow::{Result, bail};
 use serde::Serialize;
 use std::collections::BTreeMap;

@@ -22,6 +22,19 @@ pub struct Estimate {
     pub ci95: Option<[f64; 2]>,
 }
 
+impl Estimate {
+    /// " ± 0.0123 (sd), 95% interval 3.1000 to 3.2000 over seeds" (`over` names the sample), or
+    /// " (no interval from one value)".
+    pub fn spread(&self, digits: usize, over: &str) -> String {
+        match (self.sd, self.ci95) {
+            (Some(sd), Some([lo, hi])) => format!(
+                " ± {sd:.digits$} (sd), 95% interval {lo:.digits$} to {hi:.digits$} over {over}"
+            ),
+            _ => " (no interval from one value)".to_string(),
+        }
+    }
+}
+
 /// The difference of two means (first minus second) with its 95% interval.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Difference {
@@ -296,6 +309,15 @@ mod tests {
         let d = welch(&[3.0], &[2.0, 2.5]);
         assert_eq!((d.mean, d.ci95, d.detectable), (0.75, None, None));
         assert_eq!(d.describe(2), "+0.75 (no interval from one value)");
+        assert_eq!(
+            estimate(&[3.0]).spread(2, "seeds"),
+            " (no interval from one value)"
+        );
+        // Two values: t(0.975, 1) = 12.706, sd = 0.5·√2, half width 12.706 · 0.5.
+        assert_eq!(
+            estimate(&[1.0, 2.0]).spread(2, "seeds"),
+            " ± 0.71 (sd), 95% interval -4.85 to 7.85 over seeds"
+        );
         let diverged = paired(&[f64::NAN, 2.0], &[1.0, 1.0]);
         assert_eq!((diverged.ci95, diverged.detectable), (None, None));
         assert_eq!(estimate(&[1.0, f64::INFINITY]).ci95, None);

@@ -50,7 +50,8 @@ pub struct SweepArgs {
     #[arg(long, conflicts_with_all = ["only", "slurm", "status"])]
     pub summarize: bool,
     /// Train every recipe once per seed (`training.seed`), each into RUN/seed-N, and summarise
-    /// each recipe over its seeds: mean, standard deviation and 95% interval (e.g. 1,2,3).
+    /// each recipe over its seeds: mean, standard deviation and 95% interval (e.g. 1,2,3);
+    /// default: the recipes' `training.seeds`.
     #[arg(long, value_delimiter = ',', value_name = "N,…",
           value_parser = clap::value_parser!(u64).range(0..=i64::MAX as u64))]
     pub seeds: Vec<u64>,
@@ -123,6 +124,35 @@ struct Member {
     seed: Option<u64>,
 }
 
+/// The sweep as given, with its seeds: `--seeds`, else those its recipes set (`training.seeds`),
+/// which must then be one list for all (a sweep directory has one layout).
+fn with_recipe_seeds(args: &SweepArgs) -> Result<SweepArgs> {
+    let mut args = args.clone();
+    if !args.seeds.is_empty() {
+        return Ok(args);
+    }
+    let listed = |seeds: &[u64]| match seeds {
+        [] => "no `training.seeds`".to_string(),
+        seeds => format!("`training.seeds` = {seeds:?}"),
+    };
+    let mut first: Option<(String, Vec<u64>)> = None;
+    for (_, recipe) in recipes(&args.sweep)? {
+        let seeds = recipe::resolve(&recipe, &[])?.recipe.training.seeds;
+        match &first {
+            None => first = Some((recipe, seeds)),
+            Some((other, theirs)) if *theirs != seeds => bail!(
+                "{recipe} sets {} but {other} sets {}: a sweep trains every recipe over the same \
+                 seeds (--seeds chooses them for all)",
+                listed(&seeds),
+                listed(theirs)
+            ),
+            Some(_) => {}
+        }
+    }
+    args.seeds = first.map(|(_, seeds)| seeds).unwrap_or_default();
+    Ok(args)
+}
+
 /// The runs of a sweep: each recipe, or each recipe once per seed.
 fn members(args: &SweepArgs) -> Result<Vec<Member>> {
     let mut seen = std::collections::HashSet::new();
@@ -146,45 +176,13 @@ fn members(args: &SweepArgs) -> Result<Vec<Member>> {
             .flat_map(|(name, recipe)| {
                 args.seeds.iter().map(move |&seed| Member {
                     run: name.clone(),
-                    name: format!("{name}/{SEED_PREFIX}{seed}"),
+                    name: run::seed_name(name, seed),
                     recipe: recipe.clone(),
                     seed: Some(seed),
                 })
             })
             .collect()
     })
-}
-
-/// How the directory of each seed of a run begins: `RUN/seed-N`.
-const SEED_PREFIX: &str = "seed-";
-
-/// The directories of a run's seeds (`RUN/seed-N`), in the order of their seeds.
-pub fn seed_dirs(run: &Path) -> Vec<PathBuf> {
-    let mut dirs: Vec<(u64, PathBuf)> = std::fs::read_dir(run)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.is_dir())
-        .filter_map(|p| {
-            let name = p.file_name()?.to_string_lossy().into_owned();
-            let seed = name.strip_prefix(SEED_PREFIX)?.parse().ok()?;
-            Some((seed, p))
-        })
-        .collect();
-    dirs.sort();
-    dirs.into_iter().map(|(_, p)| p).collect()
-}
-
-/// The seeds of a run over seeds (`RUN/seed-N` holding runs, `RUN` holding none itself); empty
-/// for a plain run.
-pub fn run_seeds(run: &Path) -> Vec<PathBuf> {
-    if run.join(run::RECIPE).exists() {
-        return Vec::new();
-    }
-    let mut seeds = seed_dirs(run);
-    seeds.retain(|seed| seed.join(run::RECIPE).exists());
-    seeds
 }
 
 /// The recipes of a sweep: (name for the run directory, `--recipe` argument).
@@ -226,16 +224,8 @@ fn recipes(sweep: &str) -> Result<Vec<(String, String)>> {
 pub fn summarize(run_dir: &Path, name: &str) -> Result<RunSummary> {
     let recipe: Recipe = run::run_recipe(run_dir)?;
     let derived = recipe.derived();
-    let log = std::fs::read_to_string(run_dir.join(run::METRICS)).unwrap_or_default();
-    let records: Vec<serde_json::Value> = log
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
-    let validation_loss = records
-        .iter()
-        .rev()
-        .find(|r| r["split"] == "validation")
-        .and_then(|r| r["loss"].as_f64());
+    let records = run::metrics_records(run_dir);
+    let validation_loss = run::last_validation_loss(&records);
     let status = if run_dir.join(run::FINAL_MODEL).exists() {
         "finished"
     } else {
@@ -298,7 +288,9 @@ fn train_member(exe: &Path, run_dir: &Path, member: &Member, args: &SweepArgs) -
         command.arg("--resume");
     }
     if let Some(seed) = member.seed {
+        // One run of the seed: the recipe's own `training.seeds` are the sweep's.
         command.args(["--set", &format!("training.seed={seed}")]);
+        command.args(["--set", "training.seeds=[]"]);
     }
     if let Some(device) = &args.device {
         command.args(["--device", device]);
@@ -341,6 +333,7 @@ fn train_member(exe: &Path, run_dir: &Path, member: &Member, args: &SweepArgs) -
 }
 
 pub fn run(args: &SweepArgs) -> Result<Outcome> {
+    let args = &with_recipe_seeds(args)?;
     let mut members = members(args)?;
     for member in &members {
         recipe::resolve(&member.recipe, &[])?;
@@ -420,7 +413,7 @@ fn check_layout(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> 
     for member in members {
         let dir = out.join(&member.run);
         if args.seeds.is_empty() {
-            if !seed_dirs(&dir).is_empty() && !dir.join(run::RECIPE).exists() {
+            if !run::seed_dirs(&dir).is_empty() && !dir.join(run::RECIPE).exists() {
                 bail!(
                     "{}: holds runs over seeds (seed-N): give this sweep its --seeds, or another --out",
                     dir.display()

@@ -940,6 +940,12 @@ fn recipes_list_and_show() {
     ]))
     .unwrap();
     assert_eq!(set["recipe"]["model"]["layers"], 3);
+    let seeded = ok(&["recipe", "show", "micro", "--set", "training.seeds=[1,2,3]"]);
+    assert!(
+        seeded.contains("seeds = [")
+            && seeded.contains("# trained once per seed (`training.seeds`): 3 runs"),
+        "{seeded}"
+    );
 }
 
 #[test]
@@ -1371,6 +1377,44 @@ fn sweep_over_seeds_summarises_each_recipe_with_an_interval() {
         "1",
     ]);
     assert!(err.contains("d16-l1-diff: a run without seeds"), "{err}");
+
+    // The recipes' own `training.seeds`, one list for the sweep: a run per recipe and seed.
+    let seeded = tmp.path().join("seeded");
+    std::fs::create_dir_all(&seeded).unwrap();
+    for (name, seeds) in [("a", "[4, 3]"), ("b", "[4, 3]")] {
+        std::fs::write(
+            seeded.join(format!("{name}.toml")),
+            format!("extends = \"micro\"\n[training]\nseeds = {seeds}\n"),
+        )
+        .unwrap();
+    }
+    let status = json(&[
+        "sweep",
+        path(&seeded),
+        "--out",
+        path(&tmp.path().join("seeded-out")),
+        "--status",
+        "--json",
+    ]);
+    let runs: Vec<&str> = status
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["run"].as_str().unwrap())
+        .collect();
+    assert_eq!(runs, ["a/seed-4", "a/seed-3", "b/seed-4", "b/seed-3"]);
+    std::fs::write(
+        seeded.join("b.toml"),
+        "extends = \"micro\"\n[training]\nseeds = [4]\n",
+    )
+    .unwrap();
+    let err = fails(&["sweep", path(&seeded), "--status"]);
+    assert!(
+        err.contains("b.toml sets `training.seeds` = [4] but")
+            && err.contains("a.toml sets `training.seeds` = [4, 3]")
+            && err.contains("--seeds chooses them for all"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -1700,6 +1744,269 @@ fn every_analysis_runs_on_micro_runs_and_compare_writes_a_report() {
         serde_json::from_str(&std::fs::read_to_string(report.join("results.json")).unwrap())
             .unwrap();
     assert_eq!(results[1]["attention"], "transformer");
+}
+
+/// `train` over seeds (the recipe's `training.seeds`, or `--seeds`): each seed a run of its own
+/// in RUN/seed-N, the loss over the seeds; then every analysis of that run summarises each of
+/// its numbers over the seeds.
+#[test]
+fn train_over_seeds_and_every_analysis_summarises_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("seeds");
+    let stdout = ok(&[
+        "train",
+        "--recipe",
+        "micro-needle",
+        "--set",
+        "training.seeds=[2,1]",
+        "--out",
+        path(&run),
+    ]);
+    let losses: Vec<f64> = [2, 1]
+        .iter()
+        .map(|seed| {
+            let seed_run = run.join(format!("seed-{seed}"));
+            let toml = std::fs::read_to_string(seed_run.join("recipe.toml")).unwrap();
+            assert!(
+                toml.contains(&format!("seed = {seed}\n")) && !toml.contains("seeds"),
+                "{toml}"
+            );
+            assert!(seed_run.join("model.bpk").exists());
+            records(&seed_run, "validation").last().unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
+    assert_ne!(
+        losses[0], losses[1],
+        "seeds differ in initialisation and data"
+    );
+    let mean = (losses[0] + losses[1]) / 2.0;
+    assert!(
+        stdout.contains("seed 2: training into") && stdout.contains("seed 1: training into"),
+        "{stdout}"
+    );
+    let summary = stdout
+        .lines()
+        .find(|l| l.contains("validation loss over 2 seeds"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(
+        summary.contains(&format!("{mean:.4}")) && summary.contains("95% interval"),
+        "{summary}"
+    );
+    // Again: refused without --resume; with it the finished seeds are skipped.
+    let err = fails(&[
+        "train",
+        "--recipe",
+        "micro-needle",
+        "--seeds",
+        "1,2",
+        "--out",
+        path(&run),
+    ]);
+    assert!(err.contains("pass --resume"), "{err}");
+    let again = ok(&[
+        "train",
+        "--recipe",
+        "micro-needle",
+        "--seeds",
+        "1,2",
+        "--out",
+        path(&run),
+        "--resume",
+    ]);
+    assert!(
+        again.contains("seed 1: ")
+            && again.contains("has finished")
+            && !again.contains("training into"),
+        "{again}"
+    );
+    let err = fails(&[
+        "train",
+        "--recipe",
+        "micro-needle",
+        "--seeds",
+        "1,1",
+        "--out",
+        path(&run),
+    ]);
+    assert!(err.contains("--seeds: 1 is given twice"), "{err}");
+    let err = fails(&[
+        "train",
+        "--recipe",
+        "micro-needle",
+        "--seeds",
+        "1",
+        "--out",
+        path(&run.join("seed-1")),
+    ]);
+    assert!(err.contains("holds a run without seeds"), "{err}");
+
+    // Each analysis: every seed's result, and each number's mean and interval over the seeds.
+    let r = path(&run);
+    let over_seeds = |args: &[&str]| {
+        let mut all = vec!["eval"];
+        all.extend_from_slice(args);
+        all.extend(["--run", r, "--json"]);
+        let result = json(&all);
+        assert_eq!(result["seeds"].as_array().unwrap().len(), 2, "{result}");
+        let metrics = result["metrics"].as_array().unwrap().clone();
+        assert!(!metrics.is_empty(), "{result}");
+        for m in &metrics {
+            let values: Vec<f64> = m["values"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap())
+                .collect();
+            assert_eq!((values.len(), &m["n"]), (2, &Value::from(2)), "{m}");
+            let mean = m["mean"].as_f64().unwrap();
+            assert!((mean - (values[0] + values[1]) / 2.0).abs() < 1e-9, "{m}");
+            if values[0] != values[1] {
+                let [lo, hi] = [0, 1].map(|i| m["ci95"][i].as_f64().unwrap());
+                assert!(lo < mean && mean < hi, "{m}");
+            }
+        }
+        // The text: one line per listed number, with its interval.
+        all.pop();
+        let text = ok(&all);
+        assert!(
+            text.contains(&format!("eval {} over 2 seeds", args[0])),
+            "{text}"
+        );
+        (result, metrics)
+    };
+    // A number over the seeds is the seeds' own: seed-1 first (numeric order).
+    let value = |result: &Value, seed: usize, pointer: &str| {
+        result["seeds"][seed]
+            .pointer(pointer)
+            .unwrap()
+            .as_f64()
+            .unwrap()
+    };
+    let find = |metrics: &[Value], name: &str, at: Value| {
+        metrics
+            .iter()
+            .find(|m| m["name"] == name && m["at"] == at)
+            .unwrap_or_else(|| panic!("no {name} at {at}"))
+            .clone()
+    };
+
+    let (needle, metrics) = over_seeds(&[
+        "needle",
+        "--needles",
+        "1,2",
+        "--queries",
+        "1",
+        "--depths",
+        "0,1",
+        "--samples",
+        "2",
+    ]);
+    assert_eq!(metrics.len(), 8, "4 cells × accuracy, token accuracy");
+    let m = find(
+        &metrics,
+        "accuracy",
+        serde_json::json!({"length": 256, "needles": 2, "queries": 1, "depth": 1.0}),
+    );
+    for seed in 0..2 {
+        let cell = needle["seeds"][seed]["cells"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["needles"] == 2 && c["depth"] == 1.0)
+            .unwrap();
+        assert_eq!(m["values"][seed].as_f64(), cell["accuracy"].as_f64());
+    }
+
+    let (att, metrics) = over_seeds(&[
+        "attention",
+        "--needles",
+        "2",
+        "--depths",
+        "0,0.5",
+        "--samples",
+        "2",
+    ]);
+    let m = find(&metrics, "noise", serde_json::json!({"depth": 0.5}));
+    assert_eq!(
+        m["values"][1].as_f64(),
+        Some(value(&att, 1, "/depths/1/noise"))
+    );
+    assert_eq!(metrics.len(), 6, "2 depths and their mean × answer, noise");
+
+    // f32 values: JSON writes them as the shortest f32, the summary as their f64.
+    let near = |a: &Value, b: f64| (a.as_f64().unwrap() - b).abs() <= 1e-6 * b.abs();
+    let (out, metrics) = over_seeds(&["outliers", "--tokens", "300"]);
+    let m = find(&metrics, "attention_logits", serde_json::json!({"top": 1}));
+    assert!(near(
+        &m["values"][0],
+        value(&out, 0, "/attention_logits/top/0/1")
+    ));
+    assert_eq!(metrics.len(), 2 * 6 + 2 * 2, "top-k and median, per layer");
+
+    let (q, metrics) = over_seeds(&["quant", "--bits", "4", "--max-batches", "2"]);
+    let m = find(&metrics, "loss", serde_json::json!({"bits": 4}));
+    assert_eq!(
+        m["values"][1].as_f64(),
+        Some(value(&q, 1, "/widths/1/loss"))
+    );
+    assert_eq!(
+        find(&metrics, "delta", serde_json::json!({"bits": "full"}))["mean"],
+        0.0
+    );
+
+    let (lambda, metrics) = over_seeds(&["lambda"]);
+    let m = find(
+        &metrics,
+        "lambda",
+        serde_json::json!({"step": 6, "layer": 1}),
+    );
+    assert!(near(
+        &m["values"][0],
+        value(&lambda, 0, "/checkpoints/1/mean/1")
+    ));
+    assert_eq!(
+        metrics.len(),
+        2 * 2 * 2,
+        "2 checkpoints × 2 layers × λ, its spread"
+    );
+
+    let (pos, metrics) = over_seeds(&["nll-position", "--windows", "2"]);
+    assert_eq!(metrics.len(), 2 * 256);
+    let m = find(&metrics, "cumulative", serde_json::json!({"position": 256}));
+    assert_eq!(
+        m["values"][0].as_f64(),
+        Some(value(&pos, 0, "/cumulative/255"))
+    );
+
+    let questions = dir.path().join("questions.jsonl");
+    std::fs::write(
+        &questions,
+        "{\"context\": \"The\", \"choices\": [\" cat\", \" city\"], \"gold\": 1}\n\
+         {\"context\": \"A\", \"choices\": [\" man\", \" of\"], \"gold\": 0}\n",
+    )
+    .unwrap();
+    let (choice, metrics) = over_seeds(&["choice", "--data", path(&questions)]);
+    let file = Value::from(path(&questions));
+    let m = find(&metrics, "acc_norm", serde_json::json!({ "file": file }));
+    assert_eq!(
+        m["values"][1].as_f64(),
+        Some(value(&choice, 1, "/files/0/acc_norm"))
+    );
+
+    let err = fails(&[
+        "eval",
+        "needle",
+        "--run",
+        r,
+        "--plot",
+        path(&dir.path().join("n.svg")),
+    ]);
+    assert!(
+        err.contains("draws one run") && err.contains("--run ") && err.contains("seed-1"),
+        "{err}"
+    );
 }
 
 #[test]

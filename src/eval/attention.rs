@@ -6,12 +6,14 @@
 //! samples. For DIFF the map is the differential one, `A₁ − λ·A₂` (V2: `A_{2h} − λ_{t,h}·A_{2h+1}`).
 
 use super::needle::sample;
+use super::seeds::{self, Measurement, Metric};
 use super::{Common, Loaded, Values, emit, list};
 use anyhow::{Result, bail};
 use burn::tensor::{Int, Tensor, TensorData};
 use diffzoo_models::{Allocation, ModelProbe, allocation};
 use serde::Serialize;
 use std::ops::Range;
+use std::path::Path;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct AttentionArgs {
@@ -158,15 +160,43 @@ pub fn mean_allocation(
     }
 }
 
+impl Measurement for AttentionAllocation {
+    fn metrics(&self) -> Vec<Metric> {
+        let (answer, noise) = self.mean();
+        self.depths
+            .iter()
+            .flat_map(|d| {
+                [
+                    Metric::new("answer", d.answer).at("depth", d.depth),
+                    Metric::new("noise", d.noise).at("depth", d.depth),
+                ]
+            })
+            .chain([
+                Metric::new("answer", answer).at("depth", "mean"),
+                Metric::new("noise", noise).at("depth", "mean"),
+            ])
+            .collect()
+    }
+}
+
 pub fn run(args: &AttentionArgs) -> Result<()> {
-    let loaded = Loaded::open(&args.common.run, &args.common.device)?;
-    let result = measure(
-        &loaded,
-        args.needles,
-        &args.depths,
-        args.length,
-        args.samples,
-        args.seed,
-    )?;
-    emit(args.common.json, &result, AttentionAllocation::print)
+    let each = |dir: &Path| {
+        let loaded = Loaded::open(dir, &args.common.device)?;
+        measure(
+            &loaded,
+            args.needles,
+            &args.depths,
+            args.length,
+            args.samples,
+            args.seed,
+        )
+    };
+    if seeds::over_seeds(&args.common, "attention", None, each)? {
+        return Ok(());
+    }
+    emit(
+        args.common.json,
+        &each(&args.common.run)?,
+        AttentionAllocation::print,
+    )
 }

@@ -24,6 +24,7 @@
 //! space, as the harness counts); each comes with the standard error of its mean over the
 //! questions. With a context per choice (WinoGrande) the harness reports `acc` alone.
 
+use super::seeds::{self, Measurement, Metric};
 use super::{Common, emit, id_tensor, target_log_probs};
 use crate::{device, run};
 use anyhow::{Context, Result, anyhow, bail};
@@ -83,12 +84,48 @@ pub fn run(args: &ChoiceArgs) -> Result<()> {
         .map(|file| read_questions(file, args.limit))
         .collect::<Result<_>>()?;
     let common = &args.common;
-    let recipe = run::run_recipe(&common.run)?;
-    let tokenizer = run::run_tokenizer(&common.run)?;
-    let device = device::parse(&common.device)?;
-    let (model, weights) = run::load_model(&common.run, &recipe, &device)?;
+    let each = |dir: &Path| measure(dir, &common.device, &args.data, &sets);
+    if seeds::over_seeds(common, "choice", None, each)? {
+        return Ok(());
+    }
+    emit(common.json, &each(&common.run)?, |r| {
+        println!("{}", r.weights);
+        for f in &r.files {
+            println!(
+                "{}: acc {:.4} ± {:.4}, acc_norm {:.4} ± {:.4} over {} questions",
+                f.file, f.acc, f.acc_stderr, f.acc_norm, f.acc_norm_stderr, f.questions
+            );
+        }
+    })
+}
+
+impl Measurement for ChoiceResult {
+    fn metrics(&self) -> Vec<Metric> {
+        self.files
+            .iter()
+            .flat_map(|f| {
+                [
+                    Metric::new("acc", f.acc).at("file", f.file.as_str()),
+                    Metric::new("acc_norm", f.acc_norm).at("file", f.file.as_str()),
+                ]
+            })
+            .collect()
+    }
+}
+
+/// The accuracy of the run in `dir` on each file's questions.
+fn measure(
+    dir: &Path,
+    device: &str,
+    data: &[PathBuf],
+    sets: &[Vec<Question>],
+) -> Result<ChoiceResult> {
+    let recipe = run::run_recipe(dir)?;
+    let tokenizer = run::run_tokenizer(dir)?;
+    let device = device::parse(device)?;
+    let (model, weights) = run::load_model(dir, &recipe, &device)?;
     let mut files = Vec::with_capacity(sets.len());
-    for (file, questions) in args.data.iter().zip(&sets) {
+    for (file, questions) in data.iter().zip(sets) {
         let mut correct = Vec::with_capacity(questions.len());
         let mut correct_norm = Vec::with_capacity(questions.len());
         for (i, q) in questions.iter().enumerate() {
@@ -109,18 +146,9 @@ pub fn run(args: &ChoiceArgs) -> Result<()> {
             acc_norm_stderr,
         });
     }
-    let result = ChoiceResult {
+    Ok(ChoiceResult {
         weights: weights.to_string(),
         files,
-    };
-    emit(common.json, &result, |r| {
-        println!("{}", r.weights);
-        for f in &r.files {
-            println!(
-                "{}: acc {:.4} ± {:.4}, acc_norm {:.4} ± {:.4} over {} questions",
-                f.file, f.acc, f.acc_stderr, f.acc_norm, f.acc_norm_stderr, f.questions
-            );
-        }
     })
 }
 

@@ -3,6 +3,7 @@
 //! on the token, so its mean and standard deviation over the heads and tokens of the first
 //! validation window are reported. The baseline has no λ.
 
+use super::seeds::{self, Measurement, Metric};
 use super::{Common, Loaded, emit};
 use crate::plot::{Chart, Series};
 use crate::run;
@@ -12,7 +13,7 @@ use burn::data::dataloader::batcher::Batcher;
 use diffzoo_datasets::LmBatcher;
 use diffzoo_models::{AttentionKind, Model};
 use serde::Serialize;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct LambdaArgs {
@@ -103,7 +104,7 @@ fn layer_lambdas(loaded: &Loaded, model: &Model, window: &[u32]) -> (Vec<f32>, V
         .unzip()
 }
 
-pub fn measure(loaded: &Loaded, run_dir: &std::path::Path) -> Result<Lambdas> {
+pub fn measure(loaded: &Loaded, run_dir: &Path) -> Result<Lambdas> {
     if loaded.recipe.model.attention == AttentionKind::Transformer {
         bail!("{}: the baseline Transformer has no λ", run_dir.display());
     }
@@ -141,9 +142,30 @@ pub fn measure(loaded: &Loaded, run_dir: &std::path::Path) -> Result<Lambdas> {
     })
 }
 
+/// λ (and, for V2, its spread over heads and tokens) per layer at each step; the text lists the
+/// last step's λ.
+impl Measurement for Lambdas {
+    fn metrics(&self) -> Vec<Metric> {
+        let last = self.checkpoints.len().saturating_sub(1);
+        let mut metrics = Vec::new();
+        for (i, c) in self.checkpoints.iter().enumerate() {
+            for (layer, (&mean, &std)) in c.mean.iter().zip(&c.std).enumerate() {
+                let at = |m: Metric| m.at("step", c.step).at("layer", layer);
+                let lambda = at(Metric::new("lambda", f64::from(mean)));
+                metrics.push(if i == last { lambda } else { lambda.unlisted() });
+                metrics.push(at(Metric::new("lambda_std", f64::from(std))).unlisted());
+            }
+        }
+        metrics
+    }
+}
+
 pub fn run(args: &LambdaArgs) -> Result<()> {
-    let loaded = Loaded::open(&args.common.run, &args.common.device)?;
-    let result = measure(&loaded, &args.common.run)?;
+    let each = |dir: &Path| measure(&Loaded::open(dir, &args.common.device)?, dir);
+    if seeds::over_seeds(&args.common, "lambda", args.plot.as_ref(), each)? {
+        return Ok(());
+    }
+    let result = each(&args.common.run)?;
     if let Some(path) = &args.plot {
         let title = format!("λ by layer during training ({})", result.attention);
         crate::plot::write(path, &result.chart(&title).svg())?;

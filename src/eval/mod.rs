@@ -12,6 +12,9 @@
 //! | `outliers`     | top-k and median of |attention logits| and |hidden states|   | Table 5     |
 //! | `quant`        | loss (and retrieval) with attention logits at 16/8/6/4 bits | Fig. 8      |
 //! | `lambda`       | λ of every layer across the run's checkpoints               |             |
+//!
+//! A run over seeds (`RUN/seed-N`) is measured seed by seed: `ppl` and `recall` pool their own
+//! way, every other task through [`seeds`] (each number's mean and interval over the seeds).
 
 pub mod attention;
 pub mod choice;
@@ -23,6 +26,7 @@ pub mod position;
 pub mod ppl;
 pub mod quant;
 pub mod recall;
+pub mod seeds;
 
 use crate::{device, recipe::Recipe, run};
 use anyhow::{Result, bail};
@@ -169,7 +173,7 @@ pub fn f64_values<const D: usize>(tensor: Tensor<D>) -> Vec<f64> {
 /// final, or all at one checkpoint step): a sweep still running would mix them. Empty for a
 /// plain run.
 pub fn seeds_of(run: &Path) -> Result<Vec<PathBuf>> {
-    let seeds = crate::sweep::run_seeds(run);
+    let seeds = run::run_seeds(run);
     let mut stages = Vec::with_capacity(seeds.len());
     for seed in &seeds {
         stages.push(run::find_weights(seed)?.stage());

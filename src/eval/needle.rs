@@ -12,6 +12,7 @@
 //! is the share of its R answers found; a cell's accuracy the mean over samples. Everything is a
 //! pure function of `--seed`, so two runs with the same tokenizer see the same prompts.
 
+use super::seeds::{self, Measurement, Metric};
 use super::{Common, Loaded, Values, emit, list, random_text};
 use crate::plot::{self, Heatmap};
 use anyhow::{Result, bail};
@@ -20,7 +21,7 @@ use diffzoo_datasets::needle::{EVAL_CITIES, NeedleContext, answer_text, draw, pl
 use diffzoo_datasets::{Rng, TokenStream};
 use diffzoo_models::Model;
 use serde::Serialize;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct NeedleArgs {
@@ -378,10 +379,35 @@ pub fn measure_with(loaded: &Loaded, model: &Model, grid: &Grid) -> Result<Retri
     })
 }
 
+impl Measurement for Retrieval {
+    fn metrics(&self) -> Vec<Metric> {
+        self.cells
+            .iter()
+            .flat_map(|c| {
+                let at = |m: Metric| {
+                    m.at("length", c.length)
+                        .at("needles", c.needles)
+                        .at("queries", c.queries)
+                        .at("depth", c.depth)
+                };
+                [
+                    at(Metric::new("accuracy", c.accuracy)),
+                    at(Metric::new("token_accuracy", c.token_accuracy)).unlisted(),
+                ]
+            })
+            .collect()
+    }
+}
+
 pub fn run(args: &NeedleArgs) -> Result<()> {
-    let loaded = Loaded::open(&args.common.run, &args.common.device)?;
-    let grid = args.grid.resolve(&loaded)?;
-    let result = measure(&loaded, &grid)?;
+    let each = |dir: &Path| {
+        let loaded = Loaded::open(dir, &args.common.device)?;
+        measure(&loaded, &args.grid.resolve(&loaded)?)
+    };
+    if seeds::over_seeds(&args.common, "needle", args.plot.as_ref(), each)? {
+        return Ok(());
+    }
+    let result = each(&args.common.run)?;
     if let Some(path) = &args.plot {
         let title = format!("Multi-needle retrieval accuracy ({})", result.attention);
         plot::write(path, &result.heatmap(&title).svg())?;

@@ -3,12 +3,14 @@
 //! of the hidden states (every block's output) over a budget of held-out tokens. DIFF's claim:
 //! lower top values, so fewer outliers to survive low-bit quantization.
 
+use super::seeds::{self, Measurement, Metric};
 use super::{Common, Loaded, emit};
 use anyhow::Result;
 use burn::data::dataloader::batcher::Batcher;
 use diffzoo_datasets::LmBatcher;
 use diffzoo_models::AbsAccumulator;
 use serde::Serialize;
+use std::path::Path;
 
 /// The ranks Table 5 reports.
 pub const RANKS: [usize; 5] = [1, 2, 3, 10, 100];
@@ -130,8 +132,38 @@ pub fn measure(loaded: &Loaded, budget: usize) -> Result<Outliers> {
     })
 }
 
+impl Measurement for Outliers {
+    fn metrics(&self) -> Vec<Metric> {
+        let mut metrics = Vec::new();
+        for (name, median, m) in [
+            (
+                "attention_logits",
+                "attention_logits_median",
+                &self.attention_logits,
+            ),
+            ("hidden_states", "hidden_states_median", &self.hidden_states),
+        ] {
+            for &(rank, value) in &m.top {
+                metrics.push(Metric::new(name, f64::from(value)).at("top", rank));
+            }
+            metrics.push(Metric::new(median, f64::from(m.median)));
+        }
+        for (name, layers) in [
+            ("layer_top_logit", &self.layer_top_logit),
+            ("layer_top_hidden", &self.layer_top_hidden),
+        ] {
+            for (layer, &value) in layers.iter().enumerate() {
+                metrics.push(Metric::new(name, f64::from(value)).at("layer", layer));
+            }
+        }
+        metrics
+    }
+}
+
 pub fn run(args: &OutlierArgs) -> Result<()> {
-    let loaded = Loaded::open(&args.common.run, &args.common.device)?;
-    let result = measure(&loaded, args.tokens)?;
-    emit(args.common.json, &result, Outliers::print)
+    let each = |dir: &Path| measure(&Loaded::open(dir, &args.common.device)?, args.tokens);
+    if seeds::over_seeds(&args.common, "outliers", None, each)? {
+        return Ok(());
+    }
+    emit(args.common.json, &each(&args.common.run)?, Outliers::print)
 }

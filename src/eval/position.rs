@@ -3,13 +3,14 @@
 //! each `NLL(i)` averaged over validation windows of the run's context length. A model that uses
 //! long context well keeps lowering `C(t)` as `t` grows.
 
+use super::seeds::{self, Measurement, Metric};
 use super::{Common, Loaded, emit, token_nll};
 use crate::plot::{self, Chart, Series};
 use anyhow::Result;
 use burn::data::dataloader::batcher::Batcher;
 use diffzoo_datasets::LmBatcher;
 use serde::Serialize;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct PositionArgs {
@@ -110,9 +111,32 @@ pub fn report_positions(len: usize) -> Vec<usize> {
     at
 }
 
+/// The NLL and its cumulative average at each position (counted from 1); the text lists the cumulative average
+/// at [`report_positions`].
+impl Measurement for NllByPosition {
+    fn metrics(&self) -> Vec<Metric> {
+        let listed = report_positions(self.cumulative.len());
+        let mut metrics: Vec<Metric> = (1..=self.nll.len())
+            .map(|t| {
+                Metric::new("nll", self.nll[t - 1])
+                    .at("position", t)
+                    .unlisted()
+            })
+            .collect();
+        metrics.extend((1..=self.cumulative.len()).map(|t| {
+            let m = Metric::new("cumulative", self.cumulative[t - 1]).at("position", t);
+            if listed.contains(&t) { m } else { m.unlisted() }
+        }));
+        metrics
+    }
+}
+
 pub fn run(args: &PositionArgs) -> Result<()> {
-    let loaded = Loaded::open(&args.common.run, &args.common.device)?;
-    let result = measure(&loaded, args.windows)?;
+    let each = |dir: &Path| measure(&Loaded::open(dir, &args.common.device)?, args.windows);
+    if seeds::over_seeds(&args.common, "nll-position", args.plot.as_ref(), each)? {
+        return Ok(());
+    }
+    let result = each(&args.common.run)?;
     if let Some(path) = &args.plot {
         plot::write(path, &chart(&[(&result.attention, &result)]).svg())?;
     }

@@ -126,12 +126,7 @@ fn over_seeds(args: &PplArgs, seeds: &[PathBuf]) -> Result<()> {
             );
         }
         let e = &r.loss;
-        let spread = match (e.sd, e.ci95) {
-            (Some(sd), Some([lo, hi])) => {
-                format!(" ± {sd:.4} (sd), 95% interval {lo:.4} to {hi:.4} over seeds")
-            }
-            _ => " (one seed: no interval)".to_string(),
-        };
+        let spread = e.spread(4, "seeds");
         println!(
             "{}: mean validation loss over {} seeds {:.4}{spread}",
             r.run, e.n, e.mean

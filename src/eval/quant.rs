@@ -5,11 +5,13 @@
 //! `--needle`, retrieval accuracy) is measured at each bit width against full precision.
 
 use super::needle::{GridArgs, measure_with};
+use super::seeds::{self, Measurement, Metric};
 use super::{Common, Loaded, Values, emit, list};
 use crate::plot::{Chart, Series};
 use anyhow::{Result, bail};
 use serde::Serialize;
-use std::path::PathBuf;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct QuantArgs {
@@ -134,14 +136,34 @@ pub fn chart(results: &[(&str, &Quantization)]) -> Chart {
     chart
 }
 
+impl Measurement for Quantization {
+    fn metrics(&self) -> Vec<Metric> {
+        let mut metrics = Vec::new();
+        for w in &self.widths {
+            let bits = w.bits.map_or(Value::from("full"), Value::from);
+            metrics.push(Metric::new("loss", w.loss).at("bits", bits.clone()));
+            metrics.push(Metric::new("delta", w.delta).at("bits", bits.clone()));
+            if let Some(needle) = w.needle {
+                metrics.push(Metric::new("needle", needle).at("bits", bits));
+            }
+        }
+        metrics
+    }
+}
+
 pub fn run(args: &QuantArgs) -> Result<()> {
-    let loaded = Loaded::open(&args.common.run, &args.common.device)?;
-    let result = measure(
-        &loaded,
-        &args.bits,
-        args.max_batches,
-        args.needle.then_some(&args.grid),
-    )?;
+    let each = |dir: &Path| {
+        measure(
+            &Loaded::open(dir, &args.common.device)?,
+            &args.bits,
+            args.max_batches,
+            args.needle.then_some(&args.grid),
+        )
+    };
+    if seeds::over_seeds(&args.common, "quant", args.plot.as_ref(), each)? {
+        return Ok(());
+    }
+    let result = each(&args.common.run)?;
     if let Some(path) = &args.plot {
         crate::plot::write(path, &chart(&[(&result.attention, &result)]).svg())?;
     }

@@ -164,6 +164,7 @@ fn recipe_of(
             batch_tokens: seq_len,
             micro_batch: 1,
             seed: 42,
+            seeds: Vec::new(),
             dtype: dtype.recipe_name().into(),
             device: "cpu".into(),
             log_every: 10,

@@ -73,9 +73,15 @@ pub struct TrainArgs {
     /// Run directory (default: runs/<recipe name>).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Continue the run in the run directory from its newest complete checkpoint.
+    /// Continue the run in the run directory from its newest complete checkpoint (over seeds:
+    /// each unfinished seed, skipping the finished).
     #[arg(long)]
     pub resume: bool,
+    /// Train once per seed, each into OUT/seed-N with `training.seed = N`, one after another, and
+    /// print the validation loss over the seeds (default: the recipe's `training.seeds`).
+    #[arg(long, value_delimiter = ',', value_name = "N,…",
+          value_parser = clap::value_parser!(u64).range(0..=i64::MAX as u64))]
+    pub seeds: Vec<u64>,
     /// Override a recipe value, e.g. --set model.layers=4 (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub overrides: Vec<String>,
@@ -253,6 +259,14 @@ pub fn optimizer(o: &OptimizerSection) -> Result<burn::optim::ModuleOptimizer> {
 }
 
 pub fn run(args: &TrainArgs) -> Result<Outcome> {
+    let resolved = recipe::resolve(&args.recipe, &args.overrides)?;
+    let seeds = match args.seeds.as_slice() {
+        [] => resolved.recipe.training.seeds.clone(),
+        given => given.to_vec(),
+    };
+    if !seeds.is_empty() {
+        return over_seeds(args, &resolved.name, &seeds);
+    }
     let mut claimed = None;
     let result = train(args, &mut claimed);
     // How the run ended, for `diffzoo watch` (a killed process leaves nothing: watch says so),
@@ -269,6 +283,70 @@ pub fn run(args: &TrainArgs) -> Result<Outcome> {
         drop(lock);
     }
     result
+}
+
+/// Trains the recipe once per seed, each a run of its own in `OUT/seed-N` (`training.seed = N`),
+/// in the order given, then prints the validation loss over the seeds. A stopped seed stops
+/// the rest (`--resume` continues: finished seeds are skipped, the stopped one resumed).
+fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(seed) = seeds.iter().find(|s| !seen.insert(**s)) {
+        bail!("--seeds: {seed} is given twice");
+    }
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| Path::new("runs").join(name));
+    if out.join(run::RECIPE).exists() {
+        bail!(
+            "{} holds a run without seeds: train over seeds into another --out",
+            out.display()
+        );
+    }
+    let mut dirs = Vec::with_capacity(seeds.len());
+    for &seed in seeds {
+        let dir = PathBuf::from(run::seed_name(&out.display().to_string(), seed));
+        dirs.push(dir.clone());
+        if args.resume && dir.join(run::FINAL_MODEL).exists() {
+            println!("seed {seed}: {} has finished", dir.display());
+            continue;
+        }
+        println!("seed {seed}: training into {}", dir.display());
+        let mut one = args.clone();
+        one.seeds.clear();
+        one.out = Some(dir.clone());
+        one.resume = args.resume && dir.join(run::RECIPE).exists();
+        one.overrides.push(format!("training.seed={seed}"));
+        one.overrides.push("training.seeds=[]".into());
+        if matches!(run(&one)?, Outcome::Stopped) {
+            let seeds: Vec<String> = seeds.iter().map(u64::to_string).collect();
+            println!(
+                "stopped at seed {seed}; `diffzoo train --recipe {} --out {} --seeds {} --resume` continues",
+                args.recipe,
+                out.display(),
+                seeds.join(",")
+            );
+            return Ok(Outcome::Stopped);
+        }
+    }
+    let losses: Option<Vec<f64>> = dirs
+        .iter()
+        .map(|dir| run::last_validation_loss(&run::metrics_records(dir)))
+        .collect();
+    match losses {
+        Some(losses) => {
+            let e = crate::stats::estimate(&losses);
+            let spread = e.spread(4, "seeds");
+            println!(
+                "{}: validation loss over {} seeds {:.4}{spread}",
+                out.display(),
+                e.n,
+                e.mean
+            );
+        }
+        None => println!("{}: a seed has no validation loss logged", out.display()),
+    }
+    Ok(Outcome::Done)
 }
 
 /// Trains; `claimed` holds the run directory and its lock once the directory is this run's.
