@@ -265,7 +265,8 @@ pub struct TrainingSection {
     #[serde(default = "default_seed")]
     pub seed: u64,
     /// Train once per seed instead, each run in `RUN/seed-N` with `seed = N` (its own data order
-    /// and initialisation); `diffzoo sweep` does the same for every recipe of a sweep.
+    /// and initialisation, unless `init_from` gives every seed the same weights); `diffzoo
+    /// sweep` does the same for every recipe of a sweep.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub seeds: Vec<u64>,
     /// `f32`, `bf16` or `f16`.
@@ -295,6 +296,12 @@ pub enum Recompute {
     None,
     /// Per-block recomputation ([`diffzoo_models::recompute`]).
     Block,
+}
+
+/// The first seed of `seeds` that is given twice.
+pub fn repeated_seed(seeds: &[u64]) -> Option<u64> {
+    let mut seen = std::collections::BTreeSet::new();
+    seeds.iter().find(|s| !seen.insert(**s)).copied()
 }
 
 fn default_seed() -> u64 {
@@ -479,8 +486,7 @@ impl Recipe {
                 1 << 10
             ));
         }
-        let mut seen = std::collections::BTreeSet::new();
-        if let Some(seed) = t.seeds.iter().find(|s| !seen.insert(**s)) {
+        if let Some(seed) = repeated_seed(&t.seeds) {
             return Err(format!("`training.seeds`: {seed} is given twice"));
         }
         let o = &self.optimizer;

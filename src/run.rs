@@ -84,9 +84,14 @@ impl RunEnd {
 /// How the directory of each seed of a run begins: `RUN/seed-N`.
 pub const SEED_PREFIX: &str = "seed-";
 
-/// The directory of seed `seed` of the run `run` (a path relative to a sweep's, or a directory).
+/// The name of seed `seed` of the run named `run` in a sweep (`RUN/seed-N`).
 pub fn seed_name(run: &str, seed: u64) -> String {
     format!("{run}/{SEED_PREFIX}{seed}")
+}
+
+/// The directory of seed `seed` of the run directory `run`.
+pub fn seed_dir(run: &Path, seed: u64) -> PathBuf {
+    run.join(format!("{SEED_PREFIX}{seed}"))
 }
 
 /// The directories of a run's seeds (`RUN/seed-N`), in the order of their seeds.

@@ -23,14 +23,15 @@ pub struct Estimate {
 }
 
 impl Estimate {
-    /// " ± 0.0123 (sd), 95% interval 3.1000 to 3.2000 over seeds" (`over` names the sample), or
-    /// " (no interval from one value)".
+    /// " ± 0.0123 (sd), 95% interval 3.1000 to 3.2000 over seeds" (`over` names the sample),
+    /// " (no interval from one value)", or " (not finite: no interval)".
     pub fn spread(&self, digits: usize, over: &str) -> String {
         match (self.sd, self.ci95) {
             (Some(sd), Some([lo, hi])) => format!(
                 " ± {sd:.digits$} (sd), 95% interval {lo:.digits$} to {hi:.digits$} over {over}"
             ),
-            _ => " (no interval from one value)".to_string(),
+            _ if self.n < 2 => " (no interval from one value)".to_string(),
+            _ => " (not finite: no interval)".to_string(),
         }
     }
 }
@@ -312,6 +313,10 @@ mod tests {
         assert_eq!(
             estimate(&[3.0]).spread(2, "seeds"),
             " (no interval from one value)"
+        );
+        assert_eq!(
+            estimate(&[3.0, f64::INFINITY]).spread(2, "seeds"),
+            " (not finite: no interval)"
         );
         // Two values: t(0.975, 1) = 12.706, sd = 0.5·√2, half width 12.706 · 0.5.
         assert_eq!(

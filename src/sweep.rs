@@ -155,8 +155,7 @@ fn with_recipe_seeds(args: &SweepArgs) -> Result<SweepArgs> {
 
 /// The runs of a sweep: each recipe, or each recipe once per seed.
 fn members(args: &SweepArgs) -> Result<Vec<Member>> {
-    let mut seen = std::collections::HashSet::new();
-    if let Some(seed) = args.seeds.iter().find(|s| !seen.insert(**s)) {
+    if let Some(seed) = recipe::repeated_seed(&args.seeds) {
         bail!("--seeds: {seed} is given twice");
     }
     let recipes = recipes(&args.sweep)?;
@@ -421,7 +420,7 @@ fn check_layout(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> 
             }
         } else if dir.join(run::RECIPE).exists() {
             bail!(
-                "{}: a run without seeds; a sweep over --seeds needs another --out",
+                "{}: a run without seeds; a sweep over seeds needs another --out",
                 dir.display()
             );
         }
@@ -915,10 +914,9 @@ fn status(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
 
 /// The last training step a run logged.
 fn last_step(run_dir: &Path) -> Option<usize> {
-    let log = std::fs::read_to_string(run_dir.join(run::METRICS)).ok()?;
-    log.lines()
+    run::metrics_records(run_dir)
+        .iter()
         .rev()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .find(|r| r["split"] == "train")
         .and_then(|r| r["step"].as_u64())
         .map(|s| s as usize)

@@ -1403,6 +1403,27 @@ fn sweep_over_seeds_summarises_each_recipe_with_an_interval() {
         .map(|r| r["run"].as_str().unwrap())
         .collect();
     assert_eq!(runs, ["a/seed-4", "a/seed-3", "b/seed-4", "b/seed-3"]);
+    // Each seed trains as one run (not over the recipe's seeds again, inside its directory).
+    let seeded_out = tmp.path().join("seeded-out");
+    let summary: Value = serde_json::from_str(&ok(&[
+        "sweep",
+        path(&seeded),
+        "--out",
+        path(&seeded_out),
+        "--json",
+    ]))
+    .unwrap();
+    assert_eq!(summary["seeds"][0]["seeds"], serde_json::json!([4, 3]));
+    for run in runs {
+        let dir = seeded_out.join(run);
+        assert!(dir.join("model.bpk").exists(), "{}", dir.display());
+        assert!(std::fs::read_dir(&dir).unwrap().all(|e| {
+            !e.unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("seed-")
+        }));
+    }
     std::fs::write(
         seeded.join("b.toml"),
         "extends = \"micro\"\n[training]\nseeds = [4]\n",
@@ -1818,9 +1839,32 @@ fn train_over_seeds_and_every_analysis_summarises_them() {
     assert!(
         again.contains("seed 1: ")
             && again.contains("has finished")
-            && !again.contains("training into"),
+            && !again.contains("training into")
+            && again.contains(&format!("validation loss over 2 seeds {mean:.4}")),
         "{again}"
     );
+    // Resuming the seeds with another recipe is refused before anything trains, and a plain
+    // run does not go where seeds are.
+    let err = fails(&[
+        "train",
+        "--recipe",
+        "micro-needle",
+        "--seeds",
+        "1,2,5",
+        "--out",
+        path(&run),
+        "--resume",
+        "--set",
+        "optimizer.lr=0.1",
+    ]);
+    assert!(
+        err.contains("refusing to resume the seeds") && err.contains("optimizer.lr"),
+        "{err}"
+    );
+    assert!(!run.join("seed-5").exists());
+    let err = fails(&["train", "--recipe", "micro-needle", "--out", path(&run)]);
+    assert!(err.contains("holds runs over seeds (seed-N)"), "{err}");
+    assert!(!run.join("recipe.toml").exists());
     let err = fails(&[
         "train",
         "--recipe",
@@ -1850,6 +1894,13 @@ fn train_over_seeds_and_every_analysis_summarises_them() {
         all.extend(["--run", r, "--json"]);
         let result = json(&all);
         assert_eq!(result["seeds"].as_array().unwrap().len(), 2, "{result}");
+        // In numeric order of the seeds, whatever order they were trained in.
+        let runs = result["seed_runs"].as_array().unwrap();
+        assert!(
+            runs[0].as_str().unwrap().ends_with("seed-1")
+                && runs[1].as_str().unwrap().ends_with("seed-2"),
+            "{result}"
+        );
         let metrics = result["metrics"].as_array().unwrap().clone();
         assert!(!metrics.is_empty(), "{result}");
         for m in &metrics {
@@ -1968,8 +2019,8 @@ fn train_over_seeds_and_every_analysis_summarises_them() {
     ));
     assert_eq!(
         metrics.len(),
-        2 * 2 * 2,
-        "2 checkpoints × 2 layers × λ, its spread"
+        2 * 2,
+        "2 checkpoints × 2 layers (V1: no spread)"
     );
 
     let (pos, metrics) = over_seeds(&["nll-position", "--windows", "2"]);

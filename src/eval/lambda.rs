@@ -153,7 +153,9 @@ impl Measurement for Lambdas {
                 let at = |m: Metric| m.at("step", c.step).at("layer", layer);
                 let lambda = at(Metric::new("lambda", f64::from(mean)));
                 metrics.push(if i == last { lambda } else { lambda.unlisted() });
-                metrics.push(at(Metric::new("lambda_std", f64::from(std))).unlisted());
+                if self.attention != AttentionKind::Diff.as_str() {
+                    metrics.push(at(Metric::new("lambda_std", f64::from(std))).unlisted());
+                }
             }
         }
         metrics

@@ -111,8 +111,8 @@ pub fn report_positions(len: usize) -> Vec<usize> {
     at
 }
 
-/// The NLL and its cumulative average at each position (counted from 1); the text lists the cumulative average
-/// at [`report_positions`].
+/// The NLL and its cumulative average at each position (counted from 1); the text lists the
+/// cumulative average at [`report_positions`].
 impl Measurement for NllByPosition {
     fn metrics(&self) -> Vec<Metric> {
         let listed = report_positions(self.cumulative.len());

@@ -161,6 +161,13 @@ fn prepare_run_dir(
                 dir.display()
             );
         }
+        if !run::seed_dirs(dir).is_empty() {
+            bail!(
+                "{} holds runs over seeds (seed-N): train them with their --seeds, or a run of \
+                 one seed into another --out",
+                dir.display()
+            );
+        }
         checkpoint::mark_format(&dir.join(run::CHECKPOINTS)).map_err(|e| anyhow!(e))?;
         std::fs::write(&recipe_path, recipe.to_toml())
             .with_context(|| format!("writing {}", recipe_path.display()))?;
@@ -286,11 +293,11 @@ pub fn run(args: &TrainArgs) -> Result<Outcome> {
 }
 
 /// Trains the recipe once per seed, each a run of its own in `OUT/seed-N` (`training.seed = N`),
-/// in the order given, then prints the validation loss over the seeds. A stopped seed stops
-/// the rest (`--resume` continues: finished seeds are skipped, the stopped one resumed).
+/// in the order given, then prints the validation loss over the seeds. Every seed's directory is
+/// checked before any trains; a stopped seed stops the rest (`--resume` continues: finished seeds
+/// whose recipe is this one are skipped, the stopped one resumed).
 fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
-    let mut seen = std::collections::BTreeSet::new();
-    if let Some(seed) = seeds.iter().find(|s| !seen.insert(**s)) {
+    if let Some(seed) = recipe::repeated_seed(seeds) {
         bail!("--seeds: {seed} is given twice");
     }
     let out = args
@@ -299,49 +306,74 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
         .unwrap_or_else(|| Path::new("runs").join(name));
     if out.join(run::RECIPE).exists() {
         bail!(
-            "{} holds a run without seeds: train over seeds into another --out",
+            "{} holds a run without seeds: train over seeds into another --out (or train that \
+             run with --set 'training.seeds=[]')",
             out.display()
         );
     }
-    let mut dirs = Vec::with_capacity(seeds.len());
+    let seed_args = |seed: u64| {
+        let mut one = args.clone();
+        one.seeds.clear();
+        one.out = Some(run::seed_dir(&out, seed));
+        one.overrides.push(format!("training.seed={seed}"));
+        one.overrides.push("training.seeds=[]".into());
+        one
+    };
+    let mut skip = Vec::with_capacity(seeds.len());
     for &seed in seeds {
-        let dir = PathBuf::from(run::seed_name(&out.display().to_string(), seed));
-        dirs.push(dir.clone());
-        if args.resume && dir.join(run::FINAL_MODEL).exists() {
+        let dir = run::seed_dir(&out, seed);
+        if !dir.join(run::RECIPE).exists() {
+            skip.push(false);
+            continue;
+        }
+        if !args.resume {
+            bail!(
+                "{} already holds a run: pass --resume to continue the seeds, or --out for new ones",
+                dir.display()
+            );
+        }
+        let given = recipe::resolve(&args.recipe, &seed_args(seed).overrides)?.recipe;
+        let conflicts = resume_conflicts(&run::run_recipe(&dir)?, &given);
+        if !conflicts.is_empty() {
+            bail!(
+                "{} was trained with another recipe; refusing to resume the seeds with this one:\n  {}",
+                dir.display(),
+                conflicts.join("\n  ")
+            );
+        }
+        skip.push(dir.join(run::FINAL_MODEL).exists());
+    }
+    for (&seed, skip) in seeds.iter().zip(skip) {
+        let dir = run::seed_dir(&out, seed);
+        if skip {
             println!("seed {seed}: {} has finished", dir.display());
             continue;
         }
+        if signals::received().is_some() {
+            println!("stopped before seed {seed}; the same command with --resume continues");
+            return Ok(Outcome::Stopped);
+        }
         println!("seed {seed}: training into {}", dir.display());
-        let mut one = args.clone();
-        one.seeds.clear();
-        one.out = Some(dir.clone());
-        one.resume = args.resume && dir.join(run::RECIPE).exists();
-        one.overrides.push(format!("training.seed={seed}"));
-        one.overrides.push("training.seeds=[]".into());
+        let mut one = seed_args(seed);
+        one.resume = dir.join(run::RECIPE).exists();
         if matches!(run(&one)?, Outcome::Stopped) {
-            let seeds: Vec<String> = seeds.iter().map(u64::to_string).collect();
-            println!(
-                "stopped at seed {seed}; `diffzoo train --recipe {} --out {} --seeds {} --resume` continues",
-                args.recipe,
-                out.display(),
-                seeds.join(",")
-            );
+            println!("stopped at seed {seed}; the same command with --resume continues");
             return Ok(Outcome::Stopped);
         }
     }
-    let losses: Option<Vec<f64>> = dirs
+    let losses: Option<Vec<f64>> = seeds
         .iter()
-        .map(|dir| run::last_validation_loss(&run::metrics_records(dir)))
+        .map(|&seed| run::last_validation_loss(&run::metrics_records(&run::seed_dir(&out, seed))))
         .collect();
     match losses {
         Some(losses) => {
             let e = crate::stats::estimate(&losses);
-            let spread = e.spread(4, "seeds");
             println!(
-                "{}: validation loss over {} seeds {:.4}{spread}",
+                "{}: validation loss over {} seeds {:.4}{}",
                 out.display(),
                 e.n,
-                e.mean
+                e.mean,
+                e.spread(4, "seeds")
             );
         }
         None => println!("{}: a seed has no validation loss logged", out.display()),
