@@ -1816,26 +1816,26 @@ fn train_over_seeds_and_every_analysis_summarises_them() {
         "{summary}"
     );
     // Again: refused without --resume; with it the finished seeds are skipped.
-    let err = fails(&[
-        "train",
-        "--recipe",
-        "micro-needle",
-        "--seeds",
-        "1,2",
-        "--out",
-        path(&run),
-    ]);
+    // `train --recipe micro-needle --seeds SEEDS --out OUT` with `extra`.
+    let seeds_into = |seeds: &str, out: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--recipe",
+            "micro-needle",
+            "--seeds",
+            seeds,
+            "--out",
+        ];
+        args.push(path(out));
+        args.extend_from_slice(extra);
+        args.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    fn strs(args: &[String]) -> Vec<&str> {
+        args.iter().map(String::as_str).collect()
+    }
+    let err = fails(&strs(&seeds_into("1,2", &run, &[])));
     assert!(err.contains("pass --resume"), "{err}");
-    let again = ok(&[
-        "train",
-        "--recipe",
-        "micro-needle",
-        "--seeds",
-        "1,2",
-        "--out",
-        path(&run),
-        "--resume",
-    ]);
+    let again = ok(&strs(&seeds_into("1,2", &run, &["--resume"])));
     assert!(
         again.contains("seed 1: ")
             && again.contains("has finished")
@@ -1845,18 +1845,8 @@ fn train_over_seeds_and_every_analysis_summarises_them() {
     );
     // Resuming the seeds with another recipe is refused before anything trains, and a plain
     // run does not go where seeds are.
-    let err = fails(&[
-        "train",
-        "--recipe",
-        "micro-needle",
-        "--seeds",
-        "1,2,5",
-        "--out",
-        path(&run),
-        "--resume",
-        "--set",
-        "optimizer.lr=0.1",
-    ]);
+    let other = ["--resume", "--set", "optimizer.lr=0.1"];
+    let err = fails(&strs(&seeds_into("1,2,5", &run, &other)));
     assert!(
         err.contains("refusing to resume the seeds") && err.contains("optimizer.lr"),
         "{err}"
@@ -1865,25 +1855,9 @@ fn train_over_seeds_and_every_analysis_summarises_them() {
     let err = fails(&["train", "--recipe", "micro-needle", "--out", path(&run)]);
     assert!(err.contains("holds runs over seeds (seed-N)"), "{err}");
     assert!(!run.join("recipe.toml").exists());
-    let err = fails(&[
-        "train",
-        "--recipe",
-        "micro-needle",
-        "--seeds",
-        "1,1",
-        "--out",
-        path(&run),
-    ]);
+    let err = fails(&strs(&seeds_into("1,1", &run, &[])));
     assert!(err.contains("--seeds: 1 is given twice"), "{err}");
-    let err = fails(&[
-        "train",
-        "--recipe",
-        "micro-needle",
-        "--seeds",
-        "1",
-        "--out",
-        path(&run.join("seed-1")),
-    ]);
+    let err = fails(&strs(&seeds_into("1", &run.join("seed-1"), &[])));
     assert!(err.contains("holds a run without seeds"), "{err}");
 
     // Each analysis: every seed's result, and each number's mean and interval over the seeds.
