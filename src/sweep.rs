@@ -16,7 +16,7 @@ use crate::recipe::{self, Recipe};
 use crate::run;
 use crate::slurm::{self, After, Job, SlurmArgs};
 use crate::stats;
-use crate::train::{checkpoint, lock, signals};
+use crate::train::{checkpoint, signals};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -250,26 +250,7 @@ fn train_member(exe: &Path, run_dir: &Path, member: &Member, args: &SweepArgs) -
     if run_dir.join(run::FINAL_MODEL).exists() {
         return Ok(true);
     }
-    let checkpoints = run_dir.join(run::CHECKPOINTS);
-    let resume = checkpoint::resumable(&checkpoints);
-    if !resume && run_dir.exists() {
-        let found = checkpoint::scan(&checkpoints);
-        if found
-            .iter()
-            .any(|f| checkpoint::has_manifest(&checkpoints, f.number))
-        {
-            bail!(
-                "{recipe}: {} has checkpoints but none verifies ({}); look at them, or delete the directory to train it again",
-                run_dir.display(),
-                checkpoint::describe(&found)
-            );
-        }
-        // Stopped before its first checkpoint was complete: nothing to keep, unless a `train`
-        // is still writing it (the lock refuses then).
-        let _lock = lock::RunLock::take(run_dir)?;
-        std::fs::remove_dir_all(run_dir)
-            .with_context(|| format!("clearing {}", run_dir.display()))?;
-    }
+    let resume = crate::train::resume_or_clear(run_dir).with_context(|| recipe.to_string())?;
     std::fs::create_dir_all(run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
     // Appended to: a resumed run's log follows the interrupted one's.
     let log = std::fs::OpenOptions::new()

@@ -142,20 +142,20 @@ pub fn measure(loaded: &Loaded, run_dir: &Path) -> Result<Lambdas> {
     })
 }
 
-/// λ (and, for V2, its spread over heads and tokens) per layer at each step; the text lists the
-/// last step's λ.
+/// The trained λ (and, for V2, its spread over heads and tokens) per layer, at the last step:
+/// the checkpoints before it differ between seeds stopped and resumed at different steps (each
+/// seed's whole trajectory is in its own result).
 impl Measurement for Lambdas {
     fn metrics(&self) -> Vec<Metric> {
-        let last = self.checkpoints.len().saturating_sub(1);
+        let Some(c) = self.checkpoints.last() else {
+            return Vec::new();
+        };
         let mut metrics = Vec::new();
-        for (i, c) in self.checkpoints.iter().enumerate() {
-            for (layer, (&mean, &std)) in c.mean.iter().zip(&c.std).enumerate() {
-                let at = |m: Metric| m.at("step", c.step).at("layer", layer);
-                let lambda = at(Metric::new("lambda", f64::from(mean)));
-                metrics.push(if i == last { lambda } else { lambda.unlisted() });
-                if self.attention != AttentionKind::Diff.as_str() {
-                    metrics.push(at(Metric::new("lambda_std", f64::from(std))).unlisted());
-                }
+        for (layer, (&mean, &std)) in c.mean.iter().zip(&c.std).enumerate() {
+            let at = |m: Metric| m.at("step", c.step).at("layer", layer);
+            metrics.push(at(Metric::new("lambda", f64::from(mean))));
+            if self.attention != AttentionKind::Diff.as_str() {
+                metrics.push(at(Metric::new("lambda_std", f64::from(std))));
             }
         }
         metrics

@@ -161,7 +161,7 @@ fn prepare_run_dir(
                 dir.display()
             );
         }
-        if !run::seed_dirs(dir).is_empty() {
+        if !run::run_seeds(dir).is_empty() {
             bail!(
                 "{} holds runs over seeds (seed-N): train them with their --seeds, or a run of \
                  one seed into another --out",
@@ -292,6 +292,32 @@ pub fn run(args: &TrainArgs) -> Result<Outcome> {
     result
 }
 
+/// Whether the unfinished run in `dir` resumes from a checkpoint. A run stopped before its first
+/// checkpoint was complete has nothing to keep and is cleared to train again (unless a `train`
+/// still writes it: the lock refuses then); one whose checkpoints all fail to verify is refused.
+pub fn resume_or_clear(dir: &Path) -> Result<bool> {
+    let checkpoints = dir.join(run::CHECKPOINTS);
+    if checkpoint::resumable(&checkpoints) {
+        return Ok(true);
+    }
+    if dir.exists() {
+        let found = checkpoint::scan(&checkpoints);
+        if found
+            .iter()
+            .any(|f| checkpoint::has_manifest(&checkpoints, f.number))
+        {
+            bail!(
+                "{} has checkpoints but none verifies ({}); look at them, or delete the directory to train it again",
+                dir.display(),
+                checkpoint::describe(&found)
+            );
+        }
+        let _lock = lock::RunLock::take(dir)?;
+        std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
+    }
+    Ok(false)
+}
+
 /// Trains the recipe once per seed, each a run of its own in `OUT/seed-N` (`training.seed = N`),
 /// in the order given, then prints the validation loss over the seeds. Every seed's directory is
 /// checked before any trains; a stopped seed stops the rest (`--resume` continues: finished seeds
@@ -319,29 +345,31 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
         one.overrides.push("training.seeds=[]".into());
         one
     };
+    // The seeds of one directory share one recipe: every seed there is checked, listed or not.
+    for dir in run::run_seeds(&out) {
+        let stored = run::run_recipe(&dir)?;
+        let given = recipe::resolve(&args.recipe, &seed_args(stored.training.seed).overrides)?;
+        let conflicts = resume_conflicts(&stored, &given.recipe);
+        if !conflicts.is_empty() {
+            bail!(
+                "{} was trained with another recipe; refusing to train the seeds of {} with this one:\n  {}",
+                dir.display(),
+                out.display(),
+                conflicts.join("\n  ")
+            );
+        }
+    }
     let mut skip = Vec::with_capacity(seeds.len());
     for &seed in seeds {
         let dir = run::seed_dir(&out, seed);
-        if !dir.join(run::RECIPE).exists() {
-            skip.push(false);
-            continue;
-        }
-        if !args.resume {
+        let holds_run = dir.join(run::RECIPE).exists();
+        if holds_run && !args.resume {
             bail!(
                 "{} already holds a run: pass --resume to continue the seeds, or --out for new ones",
                 dir.display()
             );
         }
-        let given = recipe::resolve(&args.recipe, &seed_args(seed).overrides)?.recipe;
-        let conflicts = resume_conflicts(&run::run_recipe(&dir)?, &given);
-        if !conflicts.is_empty() {
-            bail!(
-                "{} was trained with another recipe; refusing to resume the seeds with this one:\n  {}",
-                dir.display(),
-                conflicts.join("\n  ")
-            );
-        }
-        skip.push(dir.join(run::FINAL_MODEL).exists());
+        skip.push(holds_run && dir.join(run::FINAL_MODEL).exists());
     }
     for (&seed, skip) in seeds.iter().zip(skip) {
         let dir = run::seed_dir(&out, seed);
@@ -355,7 +383,7 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
         }
         println!("seed {seed}: training into {}", dir.display());
         let mut one = seed_args(seed);
-        one.resume = dir.join(run::RECIPE).exists();
+        one.resume = args.resume && resume_or_clear(&dir)?;
         if matches!(run(&one)?, Outcome::Stopped) {
             println!("stopped at seed {seed}; the same command with --resume continues");
             return Ok(Outcome::Stopped);
