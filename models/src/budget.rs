@@ -12,7 +12,7 @@ pub struct ParamCount {
     pub non_embedding: u64,
     /// The DIFF paper's convention: non-embedding plus one vocab × d_model table.
     pub paper: u64,
-    /// Per-block attention parameters (projections, λ vectors, subln).
+    /// Per-block attention parameters (projections and their biases, λ vectors, subln).
     pub attention_per_layer: u64,
 }
 
@@ -74,13 +74,31 @@ impl ModelConfig {
             self.head_dim() as u64,
         );
         let baseline = dm * h * d + 2 * dm * h_kv * d + h * d * dm;
-        match self.attention {
+        let params = match self.attention {
             AttentionKind::Transformer => baseline,
             // Same projections; four λ vectors of size d and subln's weight of size 2d.
             AttentionKind::Diff => baseline + 6 * d,
             // Another H query heads and W_λ.
             AttentionKind::DiffV2 => baseline + dm * h * d + dm * h,
+        };
+        params + self.qkv_bias_params()
+    }
+
+    /// One bias per query, key and value output (`qkv_bias`), else none.
+    fn qkv_bias_params(&self) -> u64 {
+        if !self.qkv_bias {
+            return 0;
         }
+        let (h, h_kv, d) = (
+            self.heads as u64,
+            self.kv_heads() as u64,
+            self.head_dim() as u64,
+        );
+        let query_heads = match self.attention {
+            AttentionKind::DiffV2 => 2 * h,
+            _ => h,
+        };
+        (query_heads + 2 * h_kv) * d
     }
 
     /// Parameter counts of this configuration.
@@ -106,11 +124,12 @@ impl ModelConfig {
     pub fn flops_per_token(&self, seq_len: usize) -> FlopsPerToken {
         let (dm, ffn) = (self.d_model as f64, self.ffn_hidden() as f64);
         let widths = self.attention_widths();
-        // λ vectors and subln are not matmul weights; W_λ is.
+        // λ vectors, subln and biases are not matmul weights; W_λ is.
         let attention_weights = match self.attention {
             AttentionKind::Diff => self.attention_params() - 6 * self.head_dim() as u64,
             _ => self.attention_params(),
-        } as f64;
+        } - self.qkv_bias_params();
+        let attention_weights = attention_weights as f64;
         let linear_per_layer = attention_weights + 3.0 * dm * ffn;
         let linear = self.layers as f64 * linear_per_layer + dm * self.vocab_size as f64;
         let attention = self.layers as f64 * 2.0 * seq_len as f64 * (widths.qk + widths.av) as f64;

@@ -173,6 +173,15 @@ impl KvCache {
         self.len() == 0
     }
 
+    /// Forgets every position from `len` on (nothing when fewer are cached): the next step is
+    /// written at position `len`, as when a conversation's later turns are rendered anew.
+    /// (The buffers stay allocated; attention never reads past the positions written.)
+    pub fn truncate(&mut self, len: usize) {
+        for layer in &mut self.layers {
+            layer.len = layer.len.min(len);
+        }
+    }
+
     /// Positions the cache can hold: the model's `max_seq_len`.
     pub fn capacity(&self) -> usize {
         self.capacity

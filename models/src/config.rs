@@ -83,7 +83,8 @@ pub struct ModelConfig {
     pub d_model: usize,
     /// Number of decoder blocks.
     pub layers: usize,
-    /// The baseline's query heads H; head dim is `d_model / heads` for every variant.
+    /// The baseline's query heads H; the head dim ([`ModelConfig::head_dim`]) is the same for
+    /// every variant.
     pub heads: usize,
     /// Vocabulary size of the embedding and the LM head.
     pub vocab_size: usize,
@@ -114,12 +115,118 @@ pub struct ModelConfig {
     /// How attention is computed (same outputs, different speed and memory).
     #[config(default = "AttentionImpl::Explicit")]
     pub attention_impl: AttentionImpl,
+    /// Per-head width d; `None` means `d_model / heads`. Checkpoints such as Qwen3 or Gemma give
+    /// heads of another width than the residual stream divided by the heads.
+    #[config(default = "None")]
+    pub head_dim: Option<usize>,
+    /// Biases on the query, key and value projections (Qwen2); none on the output projection.
+    #[config(default = false)]
+    pub qkv_bias: bool,
+    /// RoPE's frequency scaling (Llama 3.1's long-context rule, or linear interpolation);
+    /// `None`: RoPE as tabulated from θ.
+    #[config(default = "None")]
+    pub rope_scaling: Option<RopeScaling>,
+}
+
+/// How RoPE's inverse frequencies θᵢ = θ^(−2i/d) are rescaled for contexts beyond the one a
+/// model was pretrained on (transformers' `modeling_rope_utils.py`, same names).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(
+    crate = "burn::serde",
+    tag = "type",
+    rename_all = "kebab-case",
+    deny_unknown_fields
+)]
+pub enum RopeScaling {
+    /// Position interpolation: every θᵢ divided by `factor` (`rope_type = "linear"`).
+    Linear { factor: f64 },
+    /// Llama 3.1's rule (`rope_type = "llama3"`), with wavelengths λᵢ = 2π/θᵢ and the pretraining
+    /// context L = `original_max_seq_len`:
+    ///
+    /// ```text
+    /// λᵢ < L/high_freq_factor:   θᵢ                        (high frequencies kept)
+    /// λᵢ > L/low_freq_factor:    θᵢ/factor                 (low frequencies interpolated)
+    /// otherwise:                 (1 − s)·θᵢ/factor + s·θᵢ,  s = (L/λᵢ − low_freq_factor)
+    ///                                                          / (high_freq_factor − low_freq_factor)
+    /// ```
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_seq_len: usize,
+    },
+}
+
+impl RopeScaling {
+    /// The rescaled inverse frequencies.
+    pub fn apply(&self, inv_freq: &[f64]) -> Vec<f64> {
+        match *self {
+            Self::Linear { factor } => inv_freq.iter().map(|f| f / factor).collect(),
+            Self::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_seq_len,
+            } => {
+                let old = original_max_seq_len as f64;
+                let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+                inv_freq
+                    .iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < high_wavelen {
+                            f
+                        } else if wavelen > low_wavelen {
+                            f / factor
+                        } else {
+                            let smooth = (old / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Checks the parameters; errors name the field.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = |name: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(format!("`rope_scaling.{name}` = {v} must be positive"))
+            }
+        };
+        match *self {
+            Self::Linear { factor } => positive("factor", factor),
+            Self::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_seq_len,
+            } => {
+                positive("factor", factor)?;
+                positive("low_freq_factor", low_freq_factor)?;
+                positive("high_freq_factor", high_freq_factor)?;
+                if low_freq_factor >= high_freq_factor {
+                    return Err(format!(
+                        "`rope_scaling.low_freq_factor` = {low_freq_factor} must be below `rope_scaling.high_freq_factor` = {high_freq_factor}"
+                    ));
+                }
+                if original_max_seq_len == 0 {
+                    return Err("`rope_scaling.original_max_seq_len` must be positive".into());
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 impl ModelConfig {
-    /// Per-head dimension d = d_model / H, the same for all variants.
+    /// Per-head dimension d (`head_dim`, else d_model / H), the same for all variants.
     pub fn head_dim(&self) -> usize {
-        self.d_model / self.heads
+        self.head_dim.unwrap_or(self.d_model / self.heads)
     }
 
     /// The baseline's key/value head count H_kv.
@@ -163,11 +270,14 @@ impl ModelConfig {
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("`{name}` must be positive"));
         }
-        if !self.d_model.is_multiple_of(self.heads) {
+        if self.head_dim.is_none() && !self.d_model.is_multiple_of(self.heads) {
             return Err(format!(
-                "`heads` = {} does not divide `d_model` = {}",
+                "`heads` = {} does not divide `d_model` = {} (or give `head_dim`)",
                 self.heads, self.d_model
             ));
+        }
+        if self.head_dim == Some(0) {
+            return Err("`head_dim` must be positive".into());
         }
         if !self.heads.is_multiple_of(self.kv_heads()) {
             return Err(format!(
@@ -178,7 +288,7 @@ impl ModelConfig {
         }
         if !self.head_dim().is_multiple_of(2) {
             return Err(format!(
-                "the head dimension `d_model` / `heads` = {} must be even for RoPE",
+                "the head dimension (`head_dim`, else `d_model` / `heads`) = {} must be even for RoPE",
                 self.head_dim()
             ));
         }
@@ -210,6 +320,9 @@ impl ModelConfig {
         {
             return Err(format!("`{name}` must be positive and finite, got {std}"));
         }
+        if let Some(scaling) = &self.rope_scaling {
+            scaling.validate()?;
+        }
         if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
             return Err(format!(
                 "`norm_eps` must be positive, got {}",
@@ -223,4 +336,53 @@ impl ModelConfig {
 /// λ_init = 0.8 − 0.6·exp(−0.3·depth), depth the 0-based layer index (paper §2.1).
 pub fn lambda_init(depth: usize) -> f64 {
     0.8 - 0.6 * (-0.3 * depth as f64).exp()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama3_scaling_keeps_high_frequencies_divides_low_ones_and_blends_between() {
+        // L = 8192, factor 8, low 1, high 4: wavelengths below 2048 are kept, above 8192 divided
+        // by 8, and in between blended by s = (L/λ − 1)/3.
+        let scaling = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_seq_len: 8192,
+        };
+        let tau = 2.0 * std::f64::consts::PI;
+        let (high, low, mid) = (tau / 1000.0, tau / 10_000.0, tau / 4096.0);
+        let got = scaling.apply(&[high, low, mid]);
+        assert_eq!(got[0], high);
+        assert!((got[1] - low / 8.0).abs() < 1e-15);
+        // λ = 4096: s = (2 − 1)/3 = 1/3.
+        let want = (2.0 / 3.0) * mid / 8.0 + (1.0 / 3.0) * mid;
+        assert!((got[2] - want).abs() < 1e-15, "{} vs {want}", got[2]);
+        let linear = RopeScaling::Linear { factor: 4.0 }.apply(&[1.0, 0.5]);
+        assert_eq!(linear, vec![0.25, 0.125]);
+    }
+
+    #[test]
+    fn bad_scaling_parameters_are_refused_by_name() {
+        let llama3 = |low, high, old| RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: low,
+            high_freq_factor: high,
+            original_max_seq_len: old,
+        };
+        for (scaling, named) in [
+            (RopeScaling::Linear { factor: 0.0 }, "factor"),
+            (llama3(4.0, 1.0, 8192), "low_freq_factor"),
+            (llama3(1.0, 4.0, 0), "original_max_seq_len"),
+            (llama3(1.0, f64::NAN, 8192), "high_freq_factor"),
+        ] {
+            let err = ModelConfig::new(AttentionKind::Transformer, 32, 1, 4, 10, 8)
+                .with_rope_scaling(Some(scaling))
+                .validate()
+                .unwrap_err();
+            assert!(err.contains(named), "{err}");
+        }
+    }
 }

@@ -35,5 +35,7 @@ pub use analysis::{AbsAccumulator, AbsStats, Allocation, LayerStats, allocation}
 pub use attention::{Attention, AttentionProbe};
 pub use budget::{FlopsPerToken, ParamCount};
 pub use cache::{KvCache, LayerCache};
-pub use config::{AttentionImpl, AttentionKind, DEFAULT_ATTENTION_BLOCK, ModelConfig, lambda_init};
+pub use config::{
+    AttentionImpl, AttentionKind, DEFAULT_ATTENTION_BLOCK, ModelConfig, RopeScaling, lambda_init,
+};
 pub use model::{Block, LayerProbe, Model, ModelProbe, target_log_probs};

@@ -6,7 +6,8 @@
 //! logits = RMSNorm(h_L)·W_head                                 (W_head = Embedᵀ when tied)
 //! ```
 //!
-//! No biases, no dropout; RoPE (adjacent pairs, GPT-J layout) on every query and key head.
+//! No dropout and no biases (but on q, k and v with `qkv_bias`, as Qwen2 has); RoPE (adjacent
+//! pairs, GPT-J layout, frequencies rescaled by `rope_scaling`) on every query and key head.
 
 use crate::attention::{Attention, AttentionProbe, projection};
 use crate::cache::{KvCache, LayerCache, assert_room};
@@ -128,10 +129,37 @@ impl ModelConfig {
                 .init(device),
             lm_head: (!self.tie_embeddings)
                 .then(|| projection(self, self.d_model, self.vocab_size, device)),
-            rope: RotaryEncodingConfig::new(self.max_seq_len, self.head_dim())
-                .with_theta(self.rope_theta)
-                .init(device),
+            rope: self.rope(device),
         }
+    }
+
+    /// RoPE's cos/sin tables for every position, from θ and [`ModelConfig::rope_scaling`].
+    fn rope(&self, device: &Device) -> RotaryEncoding {
+        let config = RotaryEncodingConfig::new(self.max_seq_len, self.head_dim())
+            .with_theta(self.rope_theta);
+        let Some(scaling) = self.rope_scaling else {
+            return config.init(device);
+        };
+        config.init_with_frequency_scaling(
+            |inv_freq| {
+                let device = inv_freq.device();
+                let values: Vec<f64> = inv_freq
+                    .into_data()
+                    .convert::<f32>()
+                    .try_to_vec::<f32>()
+                    .expect("RoPE frequencies as f32")
+                    .into_iter()
+                    .map(f64::from)
+                    .collect();
+                let scaled: Vec<f32> = scaling
+                    .apply(&values)
+                    .into_iter()
+                    .map(|f| f as f32)
+                    .collect();
+                Tensor::from_floats(scaled.as_slice(), &device)
+            },
+            device,
+        )
     }
 }
 

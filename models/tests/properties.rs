@@ -104,6 +104,32 @@ fn cached_decoding_gives_the_logits_of_the_whole_sequence() {
 }
 
 #[test]
+fn a_truncated_cache_continues_as_if_it_held_only_the_kept_positions() {
+    // 12 positions cached, cut back to 5, then 6 other tokens: the logits of the sequence whose
+    // first 5 tokens are the kept ones and whose next 6 are the new ones.
+    let device = device();
+    for attention in AttentionKind::ALL {
+        device.seed(5);
+        let model = config(attention, 8, 2).init(&device);
+        let first = tokens(1, 12, 61, 3, &device);
+        let other = tokens(1, 6, 61, 4, &device);
+        let mut cache = model.cache();
+        model.forward_cached(first.clone(), &mut cache);
+        cache.truncate(5);
+        assert_eq!(cache.len(), 5);
+        let got = model.forward_cached(other.clone(), &mut cache);
+        let whole = model.forward(Tensor::cat(vec![first.narrow(1, 0, 5), other], 1));
+        assert_close(
+            &format!("{attention}"),
+            got,
+            whole.narrow(1, 5, 6),
+            1e-5,
+            1e-5,
+        );
+    }
+}
+
+#[test]
 fn a_left_padded_batch_decodes_each_prompt_as_alone() {
     // Prompts of 7, 3 and 5 tokens, padded on the left to 7, then four tokens decoded.
     let lengths = [7, 3, 5];
@@ -176,15 +202,22 @@ fn counted_parameters_equal_the_module_parameters() {
     let device = device();
     for attention in AttentionKind::ALL {
         for (heads, kv_heads) in SHAPES {
-            for tie in [false, true] {
+            // Tied or not; heads as wide as d_model / heads, or wider with biases on q, k, v.
+            for (tie, head_dim, bias) in [
+                (false, None, false),
+                (true, None, false),
+                (false, Some(16), true),
+            ] {
                 let config = config(attention, heads, kv_heads)
                     .with_tie_embeddings(tie)
-                    .with_ffn_dim(Some(100));
+                    .with_ffn_dim(Some(100))
+                    .with_head_dim(head_dim)
+                    .with_qkv_bias(bias);
                 let count = config.param_count();
                 assert_eq!(
                     count.total as usize,
                     config.init(&device).num_params(),
-                    "{attention} tie={tie}"
+                    "{attention} tie={tie} head_dim={head_dim:?} bias={bias}"
                 );
                 let tables = if tie { 1 } else { 2 };
                 assert_eq!(count.total, count.non_embedding + tables * 61 * 48);

@@ -2,7 +2,7 @@
 //! official `multihead_flashdiff_1.py`.
 //!
 //! With the baseline's H and H_kv, DIFF uses H' = H/2 heads and H'_kv = H_kv/2 kv heads, head dim
-//! d = d_model/H (the baseline's), n_rep = H'/H'_kv. Each head h owns two query half-heads
+//! d (the baseline's: `head_dim`, else d_model/H), n_rep = H'/H'_kv. Each head h owns two query half-heads
 //! (2h, 2h+1) and each kv head g two key half-heads (2g, 2g+1) and one value of width 2d:
 //!
 //! ```text
@@ -21,8 +21,8 @@
 //! result by linearity; the gradients of the maps and of λ are in [`super::flash`]).
 
 use super::{
-    AttentionProbe, StepQkv, causal_attention, causal_logits, merge_heads, projection, repeat_kv,
-    step_qkv,
+    AttentionProbe, StepQkv, causal_attention, causal_logits, merge_heads, projection,
+    qkv_projection, repeat_kv, step_qkv,
 };
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig, lambda_init};
@@ -71,9 +71,9 @@ impl DiffAttention {
             .init([d], device)
         };
         Self {
-            q_proj: projection(config, d_model, 2 * heads * d, device),
-            k_proj: projection(config, d_model, 2 * kv_heads * d, device),
-            v_proj: projection(config, d_model, kv_heads * 2 * d, device),
+            q_proj: qkv_projection(config, d_model, 2 * heads * d, device),
+            k_proj: qkv_projection(config, d_model, 2 * kv_heads * d, device),
+            v_proj: qkv_projection(config, d_model, kv_heads * 2 * d, device),
             o_proj: projection(config, heads * 2 * d, d_model, device),
             lambda_q1: lambda(),
             lambda_k1: lambda(),

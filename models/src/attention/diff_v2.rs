@@ -1,6 +1,6 @@
 //! DIFF Transformer V2 attention (official `multihead_flashdiffv2.py`, Jan 2026).
 //!
-//! With the baseline's H and H_kv and head dim d = d_model/H, V2 has 2H query heads and the
+//! With the baseline's H and H_kv and head dim d (`head_dim`, else d_model/H), V2 has 2H query heads and the
 //! baseline's H_kv key/value heads; n_rep = 2H/H_kv (even, so query heads 2h and 2h+1 share a GQA
 //! group and its values):
 //!
@@ -16,8 +16,8 @@
 //! heads and W_λ).
 
 use super::{
-    AttentionProbe, StepQkv, causal_attention, causal_logits, merge_heads, projection, repeat_kv,
-    step_qkv,
+    AttentionProbe, StepQkv, causal_attention, causal_logits, merge_heads, projection,
+    qkv_projection, repeat_kv, step_qkv,
 };
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig};
@@ -53,9 +53,9 @@ impl DiffV2Attention {
         let (d_model, d) = (config.d_model, config.head_dim());
         let (heads, kv_heads) = (config.heads, config.kv_heads());
         Self {
-            q_proj: projection(config, d_model, 2 * heads * d, device),
-            k_proj: projection(config, d_model, kv_heads * d, device),
-            v_proj: projection(config, d_model, kv_heads * d, device),
+            q_proj: qkv_projection(config, d_model, 2 * heads * d, device),
+            k_proj: qkv_projection(config, d_model, kv_heads * d, device),
+            v_proj: qkv_projection(config, d_model, kv_heads * d, device),
             o_proj: projection(config, heads * d, d_model, device),
             lambda_proj: projection(config, d_model, heads, device),
             heads,

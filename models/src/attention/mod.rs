@@ -16,7 +16,7 @@ pub use transformer::TransformerAttention;
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, AttentionKind, ModelConfig};
 use burn::module::Module;
-use burn::nn::{Linear, LinearConfig, RotaryEncoding};
+use burn::nn::{Initializer, Linear, LinearConfig, RotaryEncoding};
 use burn::tensor::activation::softmax;
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
@@ -142,6 +142,21 @@ pub(crate) fn projection(
         .with_bias(false)
         .with_initializer(config.linear_initializer())
         .init(device)
+}
+
+/// A query, key or value projection: [`projection`], with a bias initialised to zeros when
+/// the configuration has `qkv_bias`.
+pub(crate) fn qkv_projection(
+    config: &ModelConfig,
+    d_in: usize,
+    d_out: usize,
+    device: &Device,
+) -> Linear {
+    let mut linear = projection(config, d_in, d_out, device);
+    if config.qkv_bias {
+        linear.bias = Some(Initializer::Zeros.init([d_out], device));
+    }
+    linear
 }
 
 /// `[B, S, heads·dim]` → `[B, heads, S, dim]`.

@@ -1,16 +1,19 @@
 //! Baseline Transformer attention (causal, GQA, RoPE).
 //!
-//! With H query heads, H_kv key/value heads, head dim d = d_model/H and n_rep = H/H_kv:
+//! With H query heads, H_kv key/value heads, head dim d (`head_dim`, else d_model/H) and
+//! n_rep = H/H_kv:
 //!
 //! ```text
 //! Q = RoPE(X·W_q),  K = RoPE(X·W_k),  V = X·W_v          Q: [B, H, S, d], K, V: [B, H_kv, S, d]
 //! head_i = softmax(Q_i·K_{i/n_rep}ᵀ/√d + causal mask)·V_{i/n_rep}
 //! out = Concat(head_0 … head_{H−1})·W_o
 //! ```
+//!
+//! With `qkv_bias` (Qwen2) the three input projections add a bias: `X·W_q + b_q`, and so on.
 
 use super::{
-    AttentionProbe, StepQkv, causal_attention, causal_logits, merge_heads, projection, repeat_kv,
-    step_qkv,
+    AttentionProbe, StepQkv, causal_attention, causal_logits, merge_heads, projection,
+    qkv_projection, repeat_kv, step_qkv,
 };
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig};
@@ -40,9 +43,9 @@ impl TransformerAttention {
         let (d_model, d) = (config.d_model, config.head_dim());
         let (heads, kv_heads) = (config.heads, config.kv_heads());
         Self {
-            q_proj: projection(config, d_model, heads * d, device),
-            k_proj: projection(config, d_model, kv_heads * d, device),
-            v_proj: projection(config, d_model, kv_heads * d, device),
+            q_proj: qkv_projection(config, d_model, heads * d, device),
+            k_proj: qkv_projection(config, d_model, kv_heads * d, device),
+            v_proj: qkv_projection(config, d_model, kv_heads * d, device),
             o_proj: projection(config, heads * d, d_model, device),
             heads,
             kv_heads,
