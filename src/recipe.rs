@@ -1,12 +1,18 @@
 //! Recipes: one TOML file describes one run. `extends = "other"` inherits another recipe
 //! (tables merge key by key), `--set section.key=value` overrides, and validation is strict:
 //! unknown keys, wrong types and inconsistent values are errors naming the key and the file.
+//! `needs = ["training.init_from", …]` marks keys a recipe leaves to its user (a fine-tuning
+//! recipe's starting point and data); a recipe without `[model]` that starts from a run
+//! (`training.init_from`) takes that run's model.
 //!
 //! The files under `recipes/` are compiled into the binary, so `--recipe NAME` works from any
 //! directory; `--recipe PATH` reads a file.
 
+use crate::hf::Architecture;
 use anyhow::{Context, Result, anyhow, bail};
-use diffzoo_models::{AttentionImpl, AttentionKind, DEFAULT_ATTENTION_BLOCK, ModelConfig};
+use diffzoo_models::{
+    AttentionImpl, AttentionKind, DEFAULT_ATTENTION_BLOCK, ModelConfig, RopeScaling,
+};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -64,6 +70,21 @@ pub struct ModelSection {
     /// Positions per query and key block of the flash path.
     #[serde(default = "default_attention_block")]
     pub attention_block: usize,
+    /// Per-head width; default `d_model / heads`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
+    /// Biases on the query, key and value projections (Qwen2's layout).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub qkv_bias: bool,
+    /// RoPE's frequency scaling: `{ type = "linear", factor = F }` or `{ type = "llama3",
+    /// factor, low_freq_factor, high_freq_factor, original_max_seq_len }`; default none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeScaling>,
+    /// The transformers class `export hf` writes (`import hf` records the source's); default
+    /// the variant's own: `LlamaForCausalLM` (`Qwen2ForCausalLM` with `qkv_bias`),
+    /// `DiffLlamaForCausalLM`, `DiffzooV2ForCausalLM`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hf_architecture: Option<Architecture>,
 }
 
 /// `model.attention_impl`.
@@ -112,6 +133,15 @@ impl ModelSection {
         .with_embedding_std(m.embedding_std)
         .with_linear_std(m.linear_std)
         .with_attention_impl(m.attention_impl(seq_len))
+        .with_head_dim(m.head_dim)
+        .with_qkv_bias(m.qkv_bias)
+        .with_rope_scaling(m.rope_scaling)
+    }
+
+    /// The transformers class this model exports as.
+    pub fn architecture(&self) -> Architecture {
+        self.hf_architecture
+            .unwrap_or_else(|| Architecture::of(self.attention, self.qkv_bias))
     }
 
     /// The attention implementation for training sequences of `seq_len` positions.
@@ -436,6 +466,11 @@ impl Recipe {
         self.model_config()
             .validate()
             .map_err(|e| in_section("model", &e))?;
+        if let Some(class) = self.model.hf_architecture {
+            class
+                .holds(self.model.attention, self.model.qkv_bias)
+                .map_err(|e| format!("`model.hf_architecture`: {e}"))?;
+        }
         let t = &self.training;
         if let Some(max) = self.model.max_seq_len
             && max < seq
@@ -509,6 +544,14 @@ impl Recipe {
             if !(value >= 0.0 && value.is_finite()) {
                 return Err(format!("`{key}` = {value} must be non-negative"));
             }
+        }
+        if o.lr * o.weight_decay >= 1.0 {
+            return Err(format!(
+                "`optimizer.lr` × `optimizer.weight_decay` = {} × {} = {} is at least 1: AdamW's decoupled decay multiplies every weight by 1 − lr·wd each step, which then zeroes or flips its sign; lower one of them (typical: lr 3e-4, weight_decay 0.1)",
+                o.lr,
+                o.weight_decay,
+                o.lr * o.weight_decay
+            ));
         }
         regex::Regex::new(&o.no_decay)
             .map_err(|e| format!("`optimizer.no_decay` is not a valid regex: {e}"))?;
@@ -819,7 +862,8 @@ const VOCAB_MULTIPLE: usize = 64;
 /// recipe or `--set`): an inherited `data.tokenizer` is dropped (the shards carry theirs) and an
 /// inherited `model.vocab_size` becomes the number of ids of the shards' tokenizer (one more
 /// than its largest), padded to a multiple of [`VOCAB_MULTIPLE`]. Returns what it changed, to
-/// be said.
+/// be said. (Not the vocabulary of a recipe that starts from trained weights,
+/// `training.init_from`, whose embedding fixes it.)
 fn follow_shards(table: &mut toml::Table, layers: &[toml::Table]) -> Vec<String> {
     let Some(corpus_layer) = last_setting(layers, "data.corpus") else {
         return Vec::new();
@@ -848,7 +892,9 @@ fn follow_shards(table: &mut toml::Table, layers: &[toml::Table]) -> Vec<String>
             ));
         }
     }
-    if !inherited("model.vocab_size") {
+    // A model initialised from trained weights keeps their vocabulary: the tokenizer must fit
+    // it, which training checks.
+    if !inherited("model.vocab_size") || last_setting(layers, "training.init_from").is_some() {
         return notes;
     }
     let Ok(ids) = diffzoo_datasets::shards::Shards::open(Path::new(&corpus))
@@ -928,8 +974,47 @@ pub struct Resolved {
     pub notes: Vec<String>,
 }
 
+/// A recipe that leaves keys for its user to set (its `needs`), resolved without them.
+#[derive(Debug)]
+pub struct Needs {
+    pub recipe: String,
+    pub keys: Vec<String>,
+}
+
+impl std::fmt::Display for Needs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let keys: Vec<String> = self.keys.iter().map(|k| format!("`{k}`")).collect();
+        let sets: Vec<String> = self.keys.iter().map(|k| format!("--set {k}=...")).collect();
+        write!(
+            f,
+            "{} needs {}: give {}, or set them in a recipe that extends it",
+            self.recipe,
+            keys.join(" and "),
+            sets.join(" ")
+        )
+    }
+}
+
+impl std::error::Error for Needs {}
+
 pub fn resolve(name: &str, overrides: &[String]) -> Result<Resolved> {
     let (source, mut layers) = load_layers(name, None, 0)?;
+    let needs: Vec<String> = layers
+        .iter_mut()
+        .filter_map(|layer| layer.remove("needs"))
+        .map(|needs| match needs {
+            toml::Value::Array(keys) => keys
+                .into_iter()
+                .map(|k| {
+                    k.as_str().map(str::to_string).ok_or_else(|| {
+                        anyhow!("{source}: `needs` must list dotted keys, such as \"data.corpus\"")
+                    })
+                })
+                .collect::<Result<Vec<_>>>(),
+            _ => bail!("{source}: `needs` must list dotted keys, such as [\"data.corpus\"]"),
+        })
+        .collect::<Result<Vec<_>>>()?
+        .concat();
     let mut table = toml::Table::new();
     for layer in &layers {
         merge(&mut table, layer.clone());
@@ -940,7 +1025,19 @@ pub fn resolve(name: &str, overrides: &[String]) -> Result<Resolved> {
         apply_override(&mut set, assignment)?;
     }
     layers.push(set);
-    let notes = follow_shards(&mut table, &layers);
+    let missing: Vec<String> = needs
+        .into_iter()
+        .filter(|key| last_setting(std::slice::from_ref(&table), key).is_none())
+        .collect();
+    if !missing.is_empty() {
+        return Err(Needs {
+            recipe: source.to_string(),
+            keys: missing,
+        }
+        .into());
+    }
+    let mut notes = model_of_init(&mut table)?;
+    notes.extend(follow_shards(&mut table, &layers));
     let origin = if overrides.is_empty() {
         source.to_string()
     } else {
@@ -969,6 +1066,33 @@ pub fn resolve(name: &str, overrides: &[String]) -> Result<Resolved> {
         recipe,
         notes,
     })
+}
+
+/// A recipe without `[model]` that starts from trained weights (`training.init_from`, a run
+/// directory) takes the model of that run's recipe: what fine-tuning an imported model needs.
+fn model_of_init(table: &mut toml::Table) -> Result<Vec<String>> {
+    let init = table
+        .get("training")
+        .and_then(|t| t.get("init_from"))
+        .and_then(toml::Value::as_str)
+        .map(str::to_string);
+    let (false, Some(init)) = (table.contains_key("model"), init) else {
+        return Ok(Vec::new());
+    };
+    let path = Path::new(&init).join(crate::run::RECIPE);
+    if !path.is_file() {
+        bail!(
+            "the recipe has no [model], so it takes that of `training.init_from` = {init:?}, which is no run directory (no {})",
+            path.display()
+        );
+    }
+    let model = from_run_file(&path)?.model;
+    let model = toml::Value::try_from(&model).expect("a model section serializes");
+    table.insert("model".into(), model);
+    Ok(vec![format!(
+        "[model] is that of `training.init_from` = {init:?} ({})",
+        path.display()
+    )])
 }
 
 /// Parses a resolved recipe written into a run directory.
@@ -1023,6 +1147,16 @@ struct Listed<'a> {
     error: Option<String>,
 }
 
+/// The `description` a built-in recipe's own file gives.
+fn builtin_description(name: &str) -> String {
+    BUILTIN
+        .iter()
+        .find(|(n, _)| *n == name)
+        .and_then(|(_, text)| text.parse::<toml::Table>().ok())
+        .and_then(|t| t.get("description")?.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
 /// `diffzoo recipe list`.
 pub fn list(json: bool) -> Result<()> {
     let rows: Vec<Listed> = builtin_names()
@@ -1035,12 +1169,25 @@ pub fn list(json: bool) -> Result<()> {
                 params: Some(r.recipe.derived().params_total),
                 error: None,
             },
-            Err(e) => Listed {
-                name,
-                description: String::new(),
-                attention: None,
-                params: None,
-                error: Some(format!("{e:#}")),
+            Err(e) => match e.downcast_ref::<Needs>() {
+                Some(needs) => Listed {
+                    name,
+                    description: format!(
+                        "{} (needs {})",
+                        builtin_description(name),
+                        needs.keys.join(", ")
+                    ),
+                    attention: None,
+                    params: None,
+                    error: None,
+                },
+                None => Listed {
+                    name,
+                    description: String::new(),
+                    attention: None,
+                    params: None,
+                    error: Some(format!("{e:#}")),
+                },
             },
         })
         .collect();
@@ -1064,7 +1211,10 @@ pub fn list(json: bool) -> Result<()> {
                 )
             }
             (_, _, Some(e)) => println!("{:<36} invalid: {e}", row.name),
-            _ => {}
+            _ => println!(
+                "{:<36} {:<12} {:>11}  {}",
+                row.name, "-", "-", row.description
+            ),
         }
     }
     Ok(())
@@ -1094,6 +1244,68 @@ mod tests {
             format!("{negative:#}").contains("training.seeds"),
             "{negative:#}"
         );
+    }
+
+    #[test]
+    fn a_decay_that_would_flip_every_weight_is_refused_naming_both_keys() {
+        let err = resolve("tiny", &["optimizer.weight_decay=1e9".into()]).unwrap_err();
+        let err = format!("{err:#}");
+        assert!(
+            err.contains("`optimizer.lr`") && err.contains("`optimizer.weight_decay`"),
+            "{err}"
+        );
+        assert!(resolve("tiny", &["optimizer.weight_decay=0.5".into()]).is_ok());
+    }
+
+    #[test]
+    fn real_model_keys_round_trip_and_are_checked() {
+        let set = [
+            "model.head_dim=48".to_string(),
+            "model.qkv_bias=true".into(),
+            "model.rope_scaling={type=\"llama3\", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=64}".into(),
+            "model.attention=\"transformer\"".into(),
+        ];
+        let r = resolve("tiny", &set).unwrap().recipe;
+        let config = r.model_config();
+        assert_eq!((config.head_dim(), config.qkv_bias), (48, true));
+        assert!(matches!(
+            config.rope_scaling,
+            Some(RopeScaling::Llama3 {
+                original_max_seq_len: 64,
+                ..
+            })
+        ));
+        assert_eq!(r.model.architecture(), Architecture::Qwen2);
+        let again: Recipe = toml::from_str(&r.to_toml()).unwrap();
+        assert_eq!(again, r);
+        // Without the new keys a recipe reads and writes as before.
+        let tiny = resolve("tiny", &[]).unwrap().recipe;
+        let text = tiny.to_toml();
+        for key in ["head_dim", "qkv_bias", "rope_scaling", "hf_architecture"] {
+            assert!(!text.contains(key), "{key} in {text}");
+        }
+        for (set, named) in [
+            ("model.rope_scaling={type=\"yarn\", factor=2.0}", "yarn"),
+            (
+                "model.rope_scaling={type=\"linear\", factor=0.0}",
+                "model.rope_scaling.factor",
+            ),
+            (
+                "model.hf_architecture=\"GemmaForCausalLM\"",
+                "GemmaForCausalLM",
+            ),
+            ("model.hf_architecture=\"Qwen2ForCausalLM\"", "qkv_bias"),
+            (
+                "model.hf_architecture=\"DiffLlamaForCausalLM\"",
+                "model.hf_architecture",
+            ),
+        ] {
+            let err = format!(
+                "{:#}",
+                resolve("tiny-transformer", &[set.to_string()]).unwrap_err()
+            );
+            assert!(err.contains(named), "{set}: {err}");
+        }
     }
 
     #[test]

@@ -12,7 +12,11 @@
 //!   run.lock           held by the `train` writing the run (its process id and host inside)
 //!   outcome.json       how the last `train` ended: finished, stopped or failed (with why)
 //!   model.bpk          the final model (Burn's format) and model.safetensors (same weights)
-//!   import.json        where an imported run's weights came from (`diffzoo import hf`)
+//!   import.json        where an imported run's weights came from (`diffzoo import hf`), and
+//!                      the config keys transformers does not read that it ignored
+//!   tokenizer_config.json, chat_template.jinja, special_tokens_map.json, generation_config.json
+//!                      what the tokenizer came with (an imported instruct model's chat template
+//!                      and end-of-turn ids; see [`COMPANIONS`])
 //! ```
 
 use crate::recipe::{self, Recipe};
@@ -24,7 +28,7 @@ use burn::store::ModuleRecord;
 use burn::tensor::Device;
 use diffzoo_datasets::corpus::{embedded_shards, embedded_tokenizer};
 use diffzoo_datasets::shards::Shards;
-use diffzoo_datasets::{TextTokenizer, corpus};
+use diffzoo_datasets::{Split, TextTokenizer, TokenWindows, corpus};
 use diffzoo_models::{Model, ModelConfig};
 use std::path::{Path, PathBuf};
 
@@ -123,6 +127,44 @@ pub fn run_seeds(run: &Path) -> Vec<PathBuf> {
     seeds
 }
 
+/// What transformers saves beside `tokenizer.json` that chat and generation read: the special
+/// tokens and the chat template (in `tokenizer_config.json`, or in its own file since
+/// transformers 5), and the end-of-turn ids (`generation_config.json`). A run keeps those its
+/// tokenizer came with.
+pub const COMPANIONS: [&str; 4] = [
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+];
+
+/// Copies the [`COMPANIONS`] present in `from` into `to`; the names copied.
+pub fn copy_companions(from: &Path, to: &Path) -> Result<Vec<&'static str>> {
+    let mut copied = Vec::new();
+    for name in COMPANIONS {
+        let source = from.join(name);
+        if source.is_file() {
+            std::fs::copy(&source, to.join(name))
+                .with_context(|| format!("copying {} into {}", source.display(), to.display()))?;
+            copied.push(name);
+        }
+    }
+    Ok(copied)
+}
+
+/// The directory whose [`COMPANIONS`] go with the recipe's tokenizer: that of a
+/// `data.tokenizer` file, or the shard directory; none for the BPE trained here.
+pub fn tokenizer_home(recipe: &Recipe) -> Option<PathBuf> {
+    let data = &recipe.data;
+    if data.corpus != corpus::EMBEDDED {
+        return Some(PathBuf::from(&data.corpus));
+    }
+    match data.tokenizer.as_deref() {
+        None | Some("bpe") => None,
+        Some(path) => Path::new(path).parent().map(Path::to_path_buf),
+    }
+}
+
 /// The records of a run's `metrics.jsonl` (none when it has no log; unreadable lines skipped).
 pub fn metrics_records(run: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run.join(METRICS))
@@ -168,6 +210,28 @@ pub fn open_data(recipe: &Recipe) -> Result<(TextTokenizer, Shards)> {
         let tokenizer = shards.tokenizer().with_context(key)?;
         Ok((tokenizer, shards))
     }
+}
+
+/// The training windows of one split of `shards`: plain windows of `seq_len + 1` tokens, or
+/// one conversation each for conversation shards, whose longest conversation must fit.
+pub fn windows(shards: &Shards, split: Split, seq_len: usize) -> Result<TokenWindows> {
+    let tokens = shards.tokens(split)?;
+    let Some(flags) = shards.flags(split)? else {
+        return Ok(TokenWindows::new(tokens, seq_len));
+    };
+    let longest = shards
+        .manifest
+        .conversations
+        .as_ref()
+        .map_or(0, |c| c.longest);
+    if longest > seq_len as u64 + 1 {
+        bail!(
+            "{}: its longest conversation has {longest} tokens, longer than a window of `data.seq_len` = {seq_len} (+1) tokens: set data.seq_len to at least {} (and model.max_seq_len if it is set), or prepare the data with --context {seq_len}, which skips longer conversations",
+            shards.dir.display(),
+            longest - 1
+        );
+    }
+    Ok(TokenWindows::conversations(tokens, flags, seq_len))
 }
 
 /// The run's checkpoints that verify (see [`checkpoint`]), oldest first.

@@ -1,92 +1,154 @@
-//! `config.json` ↔ the recipe's model section. Reading is strict: every key is honoured,
-//! checked to hold the one value diffzoo implements, or known to be metadata; any other key is
-//! an error naming it.
+//! `config.json` ↔ the recipe's model section.
+//!
+//! The policy: transformers' modeling code for a known class reads a finite set of config keys
+//! ([`reads`], one table per class). Every key it reads is honoured (it becomes part of the
+//! model), checked to hold a value that leaves the computation as diffzoo implements it, or
+//! known to be inert for a loaded checkpoint (a token id for generation, an initialiser's
+//! scale); any value diffzoo cannot honour is refused, every such key named at once. A key
+//! transformers never reads cannot change what the checkpoint computes: it is accepted and
+//! listed as ignored (`import hf` prints the list and records it in `import.json`).
 
 use super::{Architecture, Dtype};
 use crate::recipe::ModelSection;
 use anyhow::{Context, Result, anyhow, bail};
-use diffzoo_models::{DEFAULT_ATTENTION_BLOCK, ModelConfig};
+use diffzoo_models::{DEFAULT_ATTENTION_BLOCK, ModelConfig, RopeScaling};
 use serde_json::{Map, Value, json};
 use std::path::Path;
 
-/// Keys that describe how the checkpoint was made, trained or is sampled from, not the function
-/// its forward pass computes (transformers' modeling code for Llama and DiffLlama reads none of
-/// them; `pretraining_tp` only split transformers 4's matmuls into slices of the same product).
-const METADATA: &[&str] = &[
-    "_name_or_path",
-    "_attn_implementation_autoset",
-    "transformers_version",
-    "transformers.js_config",
-    "torch_dtype",
-    "dtype",
-    "use_bfloat16",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "sep_token_id",
-    "decoder_start_token_id",
-    "use_cache",
-    "initializer_range",
-    "lambda_std_dev",
-    "pretraining_tp",
-    "is_llama_config",
-    "max_sequence_length",
-    "tokenizer_class",
-    "id2label",
-    "label2id",
-    "problem_type",
-    "finetuning_task",
-    "task_specific_params",
-    "prefix",
-    "output_attentions",
-    "output_hidden_states",
-    "output_scores",
-    "return_dict",
-    "return_dict_in_generate",
-    "torchscript",
-    "tf_legacy_loss",
-    "tie_encoder_decoder",
-    "is_decoder",
-    "unsloth_version",
-    // Generation defaults (transformers 4 wrote them into config.json).
-    "max_length",
-    "min_length",
-    "do_sample",
-    "early_stopping",
-    "num_beams",
-    "num_beam_groups",
-    "num_return_sequences",
-    "diversity_penalty",
-    "temperature",
-    "top_k",
-    "top_p",
-    "typical_p",
-    "repetition_penalty",
-    "length_penalty",
-    "no_repeat_ngram_size",
-    "encoder_no_repeat_ngram_size",
-    "bad_words_ids",
-    "forced_bos_token_id",
-    "forced_eos_token_id",
-    "remove_invalid_values",
-    "exponential_decay_length_penalty",
-    "suppress_tokens",
-    "begin_suppress_tokens",
+/// What transformers does with a key it reads.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Read {
+    /// Parsed into the model by [`parse`].
+    Model,
+    /// Must hold this JSON value (or be null): any other changes the computation.
+    Fixed(&'static str),
+    /// Read, but cannot change what a loaded checkpoint computes (generation defaults and ids,
+    /// the initialiser, the attention kernel, the dtype weights are loaded in).
+    Inert,
+}
+
+use Read::{Fixed, Inert, Model};
+
+/// The keys every class below reads, from transformers 5.24: `PreTrainedConfig`'s own fields
+/// (`configuration_utils.py`), what `modeling_utils.py` reads to load a model
+/// (`quantization_config`, `auto_map`, `torch_dtype`, `tie_word_embeddings`), what
+/// `modeling_rope_utils.py` folds into `rope_parameters` (`rope_scaling`, `rope_theta`,
+/// `partial_rotary_factor`, `original_max_position_embeddings`), the fields of
+/// `LlamaConfig` that `modeling_llama.py` and its siblings read (each `config.X` and
+/// `getattr(config, "head_dim")`), and the generation defaults transformers 4 kept in
+/// config.json, which generation still reads from there.
+const COMMON: &[(&str, Read)] = &[
+    ("architectures", Model),
+    ("model_type", Model),
+    ("auto_map", Model),
+    ("vocab_size", Model),
+    ("hidden_size", Model),
+    ("intermediate_size", Model),
+    ("num_hidden_layers", Model),
+    ("num_attention_heads", Model),
+    ("num_key_value_heads", Model),
+    ("head_dim", Model),
+    ("max_position_embeddings", Model),
+    ("rms_norm_eps", Model),
+    ("rope_parameters", Model),
+    ("rope_scaling", Model),
+    ("rope_theta", Model),
+    ("partial_rotary_factor", Model),
+    ("original_max_position_embeddings", Model),
+    ("tie_word_embeddings", Model),
+    ("hidden_act", Fixed("\"silu\"")),
+    ("attention_dropout", Fixed("0.0")),
+    ("is_encoder_decoder", Fixed("false")),
+    ("quantization_config", Fixed("null")),
+    ("transformers_version", Inert),
+    ("dtype", Inert),
+    ("torch_dtype", Inert),
+    ("output_hidden_states", Inert),
+    ("return_dict", Inert),
+    ("chunk_size_feed_forward", Inert),
+    ("problem_type", Inert),
+    ("id2label", Inert),
+    ("label2id", Inert),
+    ("bos_token_id", Inert),
+    ("eos_token_id", Inert),
+    ("pad_token_id", Inert),
+    ("use_cache", Inert),
+    ("initializer_range", Inert),
+    ("_attn_implementation", Inert),
+    ("max_length", Inert),
+    ("min_length", Inert),
+    ("do_sample", Inert),
+    ("early_stopping", Inert),
+    ("num_beams", Inert),
+    ("num_beam_groups", Inert),
+    ("num_return_sequences", Inert),
+    ("diversity_penalty", Inert),
+    ("temperature", Inert),
+    ("top_k", Inert),
+    ("top_p", Inert),
+    ("typical_p", Inert),
+    ("repetition_penalty", Inert),
+    ("length_penalty", Inert),
+    ("no_repeat_ngram_size", Inert),
+    ("encoder_no_repeat_ngram_size", Inert),
+    ("bad_words_ids", Inert),
+    ("forced_bos_token_id", Inert),
+    ("forced_eos_token_id", Inert),
+    ("remove_invalid_values", Inert),
+    ("exponential_decay_length_penalty", Inert),
+    ("suppress_tokens", Inert),
+    ("begin_suppress_tokens", Inert),
+    ("output_attentions", Inert),
+    ("output_scores", Inert),
+    ("return_dict_in_generate", Inert),
 ];
 
-/// Keys that must hold the value diffzoo implements (or be null).
-const FIXED: &[(&str, &str)] = &[
-    ("hidden_act", "\"silu\""),
-    ("attention_bias", "false"),
-    ("mlp_bias", "false"),
-    ("attention_dropout", "0.0"),
-    ("sliding_window", "null"),
-    ("rope_interleaved", "false"),
-    ("is_encoder_decoder", "false"),
-    ("add_cross_attention", "false"),
-    ("chunk_size_feed_forward", "0"),
-    ("pruned_heads", "{}"),
+/// `LlamaForCausalLM` (`models/llama/`): biases on every attention projection or on the MLP
+/// would change the model.
+const LLAMA: &[(&str, Read)] = &[
+    ("attention_bias", Fixed("false")),
+    ("mlp_bias", Fixed("false")),
 ];
+
+/// `MistralForCausalLM` (`models/mistral/`): Llama without biases, with a sliding window.
+const MISTRAL: &[(&str, Read)] = &[("sliding_window", Model), ("layer_types", Model)];
+
+/// `Qwen2ForCausalLM` (`models/qwen2/`): biases on q, k and v (always), and a sliding window
+/// on the layers from `max_window_layers` on when `use_sliding_window`.
+const QWEN2: &[(&str, Read)] = &[
+    ("use_sliding_window", Model),
+    ("sliding_window", Model),
+    ("max_window_layers", Model),
+    ("layer_types", Model),
+];
+
+/// `DiffLlamaForCausalLM` (`models/diffllama/`): `lambda_std_dev` only initialises λ.
+const DIFFLLAMA: &[(&str, Read)] = &[
+    ("attention_bias", Fixed("false")),
+    ("lambda_std_dev", Inert),
+];
+
+/// Our `DiffzooV2ForCausalLM` (`modeling_diffzoo_v2.py`, `DiffzooV2Config.__init__`).
+const DIFFZOO_V2: &[(&str, Read)] = &[
+    ("qkv_bias", Model),
+    ("attention_bias", Fixed("false")),
+    ("mlp_bias", Fixed("false")),
+];
+
+/// What transformers reads of a config.json of `architecture`.
+fn reads(architecture: Architecture) -> impl Iterator<Item = (&'static str, Read)> {
+    let own = match architecture {
+        Architecture::Llama => LLAMA,
+        Architecture::Mistral => MISTRAL,
+        Architecture::Qwen2 => QWEN2,
+        Architecture::DiffLlama => DIFFLLAMA,
+        Architecture::DiffzooV2 => DIFFZOO_V2,
+    };
+    COMMON.iter().chain(own).copied()
+}
+
+/// RoPE's θ when a config gives none (`RotaryEmbeddingConfigMixin.default_theta`).
+const DEFAULT_THETA: f64 = 10_000.0;
 
 /// Largest values accepted, so that a mistaken or hostile config is refused before anything is
 /// allocated (RoPE is tabulated for the whole context: 2^20 positions of head dim 128 take 1 GiB).
@@ -108,6 +170,9 @@ pub struct HfConfig {
     pub model: ModelSection,
     /// `max_position_embeddings`.
     pub context: usize,
+    /// Keys transformers does not read for this class (dotted inside `rope_parameters`), in
+    /// file order: accepted, changing nothing.
+    pub ignored: Vec<String>,
 }
 
 /// Reads and checks `config.json`.
@@ -117,6 +182,20 @@ pub fn read(path: &Path) -> Result<HfConfig> {
     let value: Value =
         serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}", path.display()))?;
     parse(&value).map_err(|e| anyhow!("{}: {e}", path.display()))
+}
+
+/// What cannot be honoured, gathered so that a refusal names every key at once.
+#[derive(Default)]
+struct Problems(Vec<String>);
+
+impl Problems {
+    fn check<T>(&mut self, result: Result<T>) -> Option<T> {
+        result.map_err(|e| self.0.push(e.to_string())).ok()
+    }
+
+    fn push(&mut self, problem: String) {
+        self.0.push(problem);
+    }
 }
 
 fn parse(value: &Value) -> Result<HfConfig> {
@@ -139,170 +218,350 @@ fn parse(value: &Value) -> Result<HfConfig> {
             architecture.model_type()
         );
     }
-    for &(key, want) in FIXED {
-        if let Some(v) = map.get(key)
-            && !v.is_null()
-            && !same(v, want)
-        {
-            bail!("`{key}` = {v} is not supported: diffzoo implements only {key} = {want}");
+    let read: Vec<(&str, Read)> = reads(architecture).collect();
+    let mut problems = Problems::default();
+    let mut ignored = Vec::new();
+    for (key, v) in map {
+        match read.iter().find(|(k, _)| k == key).map(|(_, r)| *r) {
+            None => ignored.push(key.clone()),
+            Some(Fixed(want)) if !v.is_null() && !same(v, want) => problems.push(format!(
+                "`{key}` = {v} is not supported: diffzoo implements only {key} = {want}"
+            )),
+            Some(_) => {}
         }
     }
     if let Some(auto_map) = map.get("auto_map")
         && !(architecture == Architecture::DiffzooV2 && *auto_map == v2_auto_map())
     {
-        bail!(
+        problems.push(format!(
             "`auto_map` = {auto_map} points transformers at custom code for {}: its computation is unknown to diffzoo, so it is refused",
             architecture.class()
-        );
+        ));
     }
-    let d_model = count(map, "hidden_size")?;
-    let heads = count(map, "num_attention_heads")?;
+    let model = model_section(map, architecture, &mut problems, &mut ignored);
+    match (model, problems.0.as_slice()) {
+        (Some((model, context)), []) => Ok(HfConfig {
+            architecture,
+            model,
+            context,
+            ignored,
+        }),
+        (None, []) => bail!("the model it describes could not be read"),
+        (_, [one]) => bail!("{one}"),
+        (_, all) => bail!(
+            "{} keys cannot be honoured:\n  {}",
+            all.len(),
+            all.join("\n  ")
+        ),
+    }
+}
+
+/// The model section (and the context) of a config whose class is `architecture`; `None` once
+/// `problems` holds why not.
+fn model_section(
+    map: &Map<String, Value>,
+    architecture: Architecture,
+    problems: &mut Problems,
+    ignored: &mut Vec<String>,
+) -> Option<(ModelSection, usize)> {
+    let d_model = problems.check(count(map, "hidden_size"));
+    let heads = problems.check(count(map, "num_attention_heads"));
     let kv_heads = match map.get("num_key_value_heads") {
         None | Some(Value::Null) => heads,
-        Some(_) => count(map, "num_key_value_heads")?,
+        Some(_) => problems.check(count(map, "num_key_value_heads")),
     };
-    if heads == 0 || !d_model.is_multiple_of(heads) {
-        bail!("`num_attention_heads` = {heads} does not divide `hidden_size` = {d_model}");
+    let head_dim = match map.get("head_dim") {
+        None | Some(Value::Null) => None,
+        Some(_) => problems.check(count(map, "head_dim")),
+    };
+    let context = problems.check(count(map, "max_position_embeddings"));
+    let layers = problems.check(count(map, "num_hidden_layers"));
+    let vocab_size = problems.check(count(map, "vocab_size"));
+    let ffn = problems.check(count(map, "intermediate_size"));
+    let norm_eps = problems.check(number(map, "rms_norm_eps"));
+    let tie = match map.get("tie_word_embeddings") {
+        None => Some(false),
+        Some(v) => problems.check(
+            v.as_bool()
+                .ok_or_else(|| anyhow!("`tie_word_embeddings` = {v} is not a boolean")),
+        ),
+    };
+    let rope = context.and_then(|context| problems.check(rope(map, context, ignored)));
+    if let (Some(context), Some(layers)) = (context, layers) {
+        problems.check(sliding_window(map, architecture, context, layers));
+    }
+    let qkv_bias = match architecture {
+        Architecture::Qwen2 => true,
+        Architecture::DiffzooV2 => match map.get("qkv_bias") {
+            None | Some(Value::Null) => false,
+            Some(v) => problems.check(
+                v.as_bool()
+                    .ok_or_else(|| anyhow!("`qkv_bias` = {v} is not a boolean")),
+            )?,
+        },
+        _ => false,
+    };
+    let (d_model, heads, kv_heads) = (d_model?, heads?, kv_heads?);
+    let head_width = head_dim.unwrap_or(d_model / heads);
+    if head_dim.is_none() && !d_model.is_multiple_of(heads) {
+        problems.push(format!(
+            "`num_attention_heads` = {heads} does not divide `hidden_size` = {d_model}"
+        ));
     }
     if !heads.is_multiple_of(kv_heads) {
-        bail!("`num_key_value_heads` = {kv_heads} does not divide `num_attention_heads` = {heads}");
+        problems.push(format!(
+            "`num_key_value_heads` = {kv_heads} does not divide `num_attention_heads` = {heads}"
+        ));
     }
-    if !(d_model / heads).is_multiple_of(2) {
-        bail!(
-            "hidden_size / num_attention_heads = {} must be even: RoPE turns pairs",
-            d_model / heads
-        );
+    if !head_width.is_multiple_of(2) {
+        problems.push(format!(
+            "the head dimension (`head_dim`, else hidden_size / num_attention_heads) = {head_width} must be even: RoPE turns pairs"
+        ));
     }
     if architecture == Architecture::DiffLlama && !(heads % 2 == 0 && kv_heads % 2 == 0) {
-        bail!(
+        problems.push(format!(
             "`num_attention_heads` = {heads} and `num_key_value_heads` = {kv_heads} must be even: DiffLlama pairs heads and splits values in halves"
-        );
+        ));
     }
-    if let Some(v) = map.get("head_dim")
-        && !v.is_null()
-    {
-        let head_dim = count(map, "head_dim")?;
-        if head_dim != d_model / heads {
-            bail!(
-                "`head_dim` = {head_dim} differs from hidden_size / num_attention_heads = {}: diffzoo's heads are hidden_size / heads wide",
-                d_model / heads
-            );
-        }
-    }
-    let context = count(map, "max_position_embeddings")?;
+    let (theta, rope_scaling) = rope?;
     let model = ModelSection {
         attention: architecture.kind(),
         d_model,
-        layers: count(map, "num_hidden_layers")?,
+        layers: layers?,
         heads,
         kv_heads: Some(kv_heads),
-        vocab_size: count(map, "vocab_size")?,
-        max_seq_len: Some(context),
-        rope_theta: rope_theta(map)? as f32,
-        ffn_dim: Some(count(map, "intermediate_size")?),
-        tie_embeddings: match map.get("tie_word_embeddings") {
-            None => false,
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| anyhow!("`tie_word_embeddings` = {v} is not a boolean"))?,
-        },
-        norm_eps: number(map, "rms_norm_eps")?,
+        vocab_size: vocab_size?,
+        max_seq_len: Some(context?),
+        rope_theta: theta as f32,
+        ffn_dim: Some(ffn?),
+        tie_embeddings: tie?,
+        norm_eps: norm_eps?,
         embedding_std: 0.02,
         linear_std: None,
         attention_impl: Default::default(),
         attention_block: DEFAULT_ATTENTION_BLOCK,
+        head_dim: head_dim.filter(|&d| d * heads != d_model),
+        qkv_bias,
+        rope_scaling,
+        hf_architecture: Some(architecture),
     };
-    const HONOURED: &[&str] = &[
-        "architectures",
-        "auto_map",
-        "model_type",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "vocab_size",
-        "max_position_embeddings",
-        "rms_norm_eps",
-        "rope_theta",
-        "rope_parameters",
-        "rope_scaling",
-    ];
-    for key in map.keys() {
-        let known = HONOURED.contains(&key.as_str())
-            || METADATA.contains(&key.as_str())
-            || FIXED.iter().any(|(k, _)| k == key)
-            || key == "tie_word_embeddings";
-        if !known {
-            bail!(
-                "key `{key}` = {} is not supported: diffzoo cannot honour it, so it refuses the checkpoint rather than ignore it",
-                map[key]
-            );
-        }
-    }
-    Ok(HfConfig {
-        architecture,
-        model,
-        context,
-    })
+    Some((model, context?))
 }
 
-/// RoPE's θ from `rope_parameters` (transformers 5) or `rope_theta` with `rope_scaling`
-/// (older files). Only the default (unscaled) RoPE is implemented.
-fn rope_theta(map: &Map<String, Value>) -> Result<f64> {
-    let mut theta = match map.get("rope_theta") {
-        Some(v) if !v.is_null() => Some(number(map, "rope_theta")?),
-        _ => None,
+/// RoPE's θ and scaling as transformers resolves them (`convert_rope_params_to_dict` and
+/// `standardize_rope_params` in `modeling_rope_utils.py`): a legacy `rope_scaling` replaces
+/// `rope_parameters`; θ is the dict's `rope_theta`, else the top-level one, else 10,000; the
+/// type is `rope_type`, else the legacy `type`, else `default`. The default type reads θ alone
+/// (other entries are ignored); `linear` reads `factor`; `llama3` reads `factor`,
+/// `low_freq_factor`, `high_freq_factor` and `original_max_position_embeddings` (a top-level
+/// key first, then the dict's, else `max_position_embeddings`); both scaled types read
+/// `partial_rotary_factor`, which must be 1. Any other type is refused.
+fn rope(
+    map: &Map<String, Value>,
+    context: usize,
+    ignored: &mut Vec<String>,
+) -> Result<(f64, Option<RopeScaling>)> {
+    let present = |key: &str| map.get(key).filter(|v| !v.is_null());
+    let empty = Value::Object(Map::new());
+    let legacy = present("rope_scaling").filter(|v| v.as_object().is_none_or(|m| !m.is_empty()));
+    let (key, params) = match (legacy, present("rope_parameters")) {
+        (Some(v), current) => {
+            if current.is_some() {
+                ignored.push("rope_parameters".into());
+            }
+            ("rope_scaling", v)
+        }
+        (None, Some(v)) => ("rope_parameters", v),
+        (None, None) => ("rope_parameters", &empty),
     };
-    for key in ["rope_parameters", "rope_scaling"] {
-        let Some(params) = map.get(key).filter(|v| !v.is_null()) else {
-            continue;
-        };
-        let params = params
-            .as_object()
-            .ok_or_else(|| anyhow!("`{key}` = {params} is not an object"))?;
-        for name in ["rope_type", "type"] {
-            if let Some(v) = params.get(name)
-                && v.as_str() != Some("default")
-            {
-                bail!(
-                    "`{key}.{name}` = {v} is not supported: diffzoo implements only the default (unscaled) RoPE"
-                );
-            }
-        }
-        for (name, v) in params {
-            match name.as_str() {
-                "rope_type" | "type" => {}
-                "rope_theta" => {
-                    let t = v
-                        .as_f64()
-                        .ok_or_else(|| anyhow!("`{key}.rope_theta` = {v} is not a number"))?;
-                    if let Some(old) = theta.filter(|&old| old != t) {
-                        bail!("`{key}.rope_theta` = {t} disagrees with `rope_theta` = {old}");
-                    }
-                    theta = Some(t);
-                }
-                _ => bail!(
-                    "`{key}.{name}` = {v} is not supported: diffzoo implements only the default (unscaled) RoPE"
-                ),
-            }
-        }
-    }
-    let theta = theta.unwrap_or(10_000.0);
+    let params = params
+        .as_object()
+        .ok_or_else(|| anyhow!("`{key}` = {params} is not an object"))?;
+    let get = |name: &str| params.get(name).filter(|v| !v.is_null());
+    let theta = match get("rope_theta") {
+        Some(v) => v
+            .as_f64()
+            .ok_or_else(|| anyhow!("`{key}.rope_theta` = {v} is not a number"))?,
+        None => match present("rope_theta") {
+            Some(_) => number(map, "rope_theta")?,
+            None => DEFAULT_THETA,
+        },
+    };
     if !(theta > 0.0 && theta <= f32::MAX as f64) {
-        bail!("RoPE θ (`rope_theta`) = {theta} must be positive and fit in f32");
+        bail!(
+            "RoPE θ (`{key}.rope_theta` or `rope_theta`) = {theta} must be positive and fit in f32"
+        );
     }
-    Ok(theta)
+    let kind = match get("rope_type").or(get("type")) {
+        None => "default",
+        Some(v) => v
+            .as_str()
+            .ok_or_else(|| anyhow!("`{key}.rope_type` = {v} is not a string"))?,
+    };
+    let factor = |name: &str| -> Result<f64> {
+        let v = get(name)
+            .ok_or_else(|| anyhow!("`{key}.{name}` is missing (rope_type {kind:?} needs it)"))?;
+        v.as_f64()
+            .filter(|f| f.is_finite() && *f > 0.0)
+            .ok_or_else(|| anyhow!("`{key}.{name}` = {v} is not a positive number"))
+    };
+    let reads: &[&str] = match kind {
+        "default" => &["rope_type", "type", "rope_theta"],
+        "linear" => &[
+            "rope_type",
+            "type",
+            "rope_theta",
+            "factor",
+            "partial_rotary_factor",
+        ],
+        "llama3" => &[
+            "rope_type",
+            "type",
+            "rope_theta",
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+            "partial_rotary_factor",
+        ],
+        other => bail!(
+            "`{key}.rope_type` = {other:?} is not supported: diffzoo implements the default, linear and llama3 RoPE"
+        ),
+    };
+    ignored.extend(
+        params
+            .keys()
+            .filter(|k| !reads.contains(&k.as_str()))
+            .map(|k| format!("{key}.{k}")),
+    );
+    if kind == "default" {
+        return Ok((theta, None));
+    }
+    let partial = get("partial_rotary_factor").or(present("partial_rotary_factor"));
+    if let Some(v) = partial
+        && v.as_f64() != Some(1.0)
+    {
+        bail!("`partial_rotary_factor` = {v} is not supported: diffzoo rotates whole heads (1.0)");
+    }
+    let scaling = match kind {
+        "linear" => RopeScaling::Linear {
+            factor: factor("factor")?,
+        },
+        _ => {
+            let original = match present("original_max_position_embeddings") {
+                Some(_) => count(map, "original_max_position_embeddings")?,
+                None => match get("original_max_position_embeddings") {
+                    Some(v) => v.as_u64().filter(|&n| n > 0).ok_or_else(|| {
+                        anyhow!("`{key}.original_max_position_embeddings` = {v} is not a positive integer")
+                    })? as usize,
+                    None => context,
+                },
+            };
+            RopeScaling::Llama3 {
+                factor: factor("factor")?,
+                low_freq_factor: factor("low_freq_factor")?,
+                high_freq_factor: factor("high_freq_factor")?,
+                original_max_seq_len: original,
+            }
+        }
+    };
+    scaling
+        .validate()
+        .map_err(|e| anyhow!("{}", e.replace("rope_scaling", key)))?;
+    Ok((theta, Some(scaling)))
 }
 
-/// The config.json transformers loads a model of `config` from.
+/// A sliding window changes attention only where it is shorter than the context: the window
+/// covers the last `sliding_window` keys of each query, the whole context when it is at least
+/// `max_position_embeddings` long. Mistral applies `sliding_window` to every layer; Qwen2 to the
+/// layers from `max_window_layers` on when `use_sliding_window` (else to none), unless
+/// `layer_types` names each layer's attention.
+fn sliding_window(
+    map: &Map<String, Value>,
+    architecture: Architecture,
+    context: usize,
+    layers: usize,
+) -> Result<()> {
+    if !matches!(architecture, Architecture::Mistral | Architecture::Qwen2) {
+        return Ok(());
+    }
+    let window = match map.get("sliding_window") {
+        None | Some(Value::Null) => None,
+        Some(_) => Some(count(map, "sliding_window")?),
+    };
+    let active = match architecture {
+        Architecture::Qwen2 => match map.get("use_sliding_window") {
+            None | Some(Value::Null) => false,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| anyhow!("`use_sliding_window` = {v} is not a boolean"))?,
+        },
+        _ => true,
+    };
+    let window = window.filter(|_| active);
+    let sliding_layers = match map.get("layer_types") {
+        None | Some(Value::Null) => match architecture {
+            Architecture::Qwen2 => {
+                let from = match map.get("max_window_layers") {
+                    None | Some(Value::Null) => 28,
+                    Some(v) => v.as_u64().ok_or_else(|| {
+                        anyhow!("`max_window_layers` = {v} is not a non-negative integer")
+                    })? as usize,
+                };
+                layers.saturating_sub(from)
+            }
+            _ => layers,
+        },
+        Some(Value::Array(types)) => {
+            let mut sliding = 0;
+            for (i, t) in types.iter().enumerate() {
+                match t.as_str() {
+                    Some("full_attention") => {}
+                    Some("sliding_attention") => sliding += 1,
+                    _ => bail!(
+                        "`layer_types[{i}]` = {t} is not supported: diffzoo implements full_attention (and sliding_attention with a window no shorter than the context)"
+                    ),
+                }
+            }
+            sliding
+        }
+        Some(other) => bail!("`layer_types` = {other} is not a list"),
+    };
+    match window {
+        Some(window) if sliding_layers > 0 && window < context => bail!(
+            "`sliding_window` = {window} is not supported: it is shorter than `max_position_embeddings` = {context}, so {sliding_layers} layer(s) would attend to the last {window} positions only, and diffzoo attends to the whole context"
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// The config.json transformers loads a model of `config` from, in `architecture`'s class.
 pub fn write(
     architecture: Architecture,
     config: &ModelConfig,
     dtype: Dtype,
     eos: Option<u32>,
 ) -> Value {
+    let theta = config.rope_theta as f64;
+    let rope = match config.rope_scaling {
+        None => json!({"rope_type": "default", "rope_theta": theta}),
+        Some(RopeScaling::Linear { factor }) => {
+            json!({"rope_type": "linear", "rope_theta": theta, "factor": factor})
+        }
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_seq_len,
+        }) => json!({
+            "rope_type": "llama3",
+            "rope_theta": theta,
+            "factor": factor,
+            "low_freq_factor": low_freq_factor,
+            "high_freq_factor": high_freq_factor,
+            "original_max_position_embeddings": original_max_seq_len,
+        }),
+    };
     let mut value = json!({
         "architectures": [architecture.class()],
         "model_type": architecture.model_type(),
@@ -315,22 +574,34 @@ pub fn write(
         "vocab_size": config.vocab_size,
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_eps,
-        "rope_theta": config.rope_theta as f64,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta as f64},
+        "rope_theta": theta,
+        "rope_parameters": rope,
         "tie_word_embeddings": config.tie_embeddings,
         "hidden_act": "silu",
-        "attention_bias": false,
-        "mlp_bias": false,
         "attention_dropout": 0.0,
         "torch_dtype": dtype.torch_name(),
         "use_cache": true,
     });
+    match architecture {
+        Architecture::Llama => {
+            value["attention_bias"] = json!(false);
+            value["mlp_bias"] = json!(false);
+        }
+        Architecture::DiffLlama => value["attention_bias"] = json!(false),
+        Architecture::Mistral => value["sliding_window"] = Value::Null,
+        Architecture::Qwen2 => {
+            value["use_sliding_window"] = json!(false);
+            value["sliding_window"] = Value::Null;
+            value["max_window_layers"] = json!(config.layers);
+        }
+        Architecture::DiffzooV2 => {
+            value["qkv_bias"] = json!(config.qkv_bias);
+            value["auto_map"] = v2_auto_map();
+        }
+    }
     if let Some(eos) = eos {
         value["eos_token_id"] = json!(eos);
         value["bos_token_id"] = json!(eos);
-    }
-    if architecture == Architecture::DiffzooV2 {
-        value["auto_map"] = v2_auto_map();
     }
     value
 }
@@ -418,15 +689,24 @@ mod tests {
 
     #[test]
     fn what_cannot_be_honoured_is_refused_by_name() {
-        let cases: [(&str, Value, &str); 13] = [
+        let cases: [(&str, Value, &str); 12] = [
+            (
+                "rope_parameters",
+                json!({"rope_type": "yarn", "factor": 8.0}),
+                "rope_parameters.rope_type",
+            ),
+            (
+                "rope_parameters",
+                json!({"rope_type": "llama3", "factor": 8.0, "partial_rotary_factor": 0.5,
+                       "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
+                "partial_rotary_factor",
+            ),
             (
                 "rope_parameters",
                 json!({"rope_type": "llama3", "factor": 8.0}),
-                "rope_parameters.rope_type",
+                "rope_parameters.low_freq_factor",
             ),
             ("attention_bias", json!(true), "attention_bias"),
-            ("head_dim", json!(32), "head_dim"),
-            ("sliding_window", json!(4096), "sliding_window"),
             ("hidden_act", json!("gelu"), "hidden_act"),
             (
                 "quantization_config",
@@ -435,15 +715,14 @@ mod tests {
             ),
             (
                 "architectures",
-                json!(["Qwen2ForCausalLM"]),
-                "Qwen2ForCausalLM",
+                json!(["GemmaForCausalLM"]),
+                "GemmaForCausalLM",
             ),
             (
                 "auto_map",
                 json!({"AutoModelForCausalLM": "modeling_x.X"}),
                 "auto_map",
             ),
-            ("rope_interleaved", json!(true), "rope_interleaved"),
             (
                 "max_position_embeddings",
                 json!(1u64 << 40),
@@ -456,49 +735,180 @@ mod tests {
         for (key, value, named) in cases {
             let mut config = llama();
             config[key] = value;
+            if key == "rope_theta" {
+                config.as_object_mut().unwrap().remove("rope_parameters");
+            }
             let err = parse(&config).unwrap_err().to_string();
             assert!(err.contains(named), "{key}: {err}");
         }
     }
 
     #[test]
-    fn keys_hub_checkpoints_carry_that_change_nothing_are_accepted() {
+    fn a_refusal_names_every_key_it_cannot_honour_at_once() {
         let mut config = llama();
+        config["attention_bias"] = json!(true);
+        config["hidden_act"] = json!("gelu");
+        config["quantization_config"] = json!({"bits": 4});
+        let err = parse(&config).unwrap_err().to_string();
+        for key in [
+            "attention_bias",
+            "hidden_act",
+            "quantization_config",
+            "3 keys",
+        ] {
+            assert!(err.contains(key), "{key}: {err}");
+        }
+    }
+
+    #[test]
+    fn keys_transformers_does_not_read_are_accepted_and_listed() {
+        let mut config = llama();
+        // What a GGUF-converted checkpoint and hub files carry.
         for (key, value) in [
+            ("_model_name_or_path", json!("/tmp/gguf")),
+            ("unk_token_id", json!(0)),
             ("is_llama_config", json!(true)),
-            ("rope_interleaved", json!(false)),
+            ("rope_interleaved", json!(true)),
             (
                 "transformers.js_config",
                 json!({"kv_cache_dtype": "float16"}),
             ),
             ("_attn_implementation_autoset", json!(true)),
             ("pretraining_tp", json!(2)),
-            ("id2label", json!({"0": "LABEL_0"})),
             ("max_sequence_length", json!(2048)),
             ("rope_scaling", Value::Null),
         ] {
             config[key] = value;
         }
-        assert_eq!(parse(&config).unwrap(), parse(&llama()).unwrap());
+        // Read, and changing nothing for a loaded checkpoint: not listed.
+        config["initializer_range"] = json!(0.5);
+        config["bos_token_id"] = json!(1);
+        let read = parse(&config).unwrap();
+        assert_eq!(read.model, parse(&llama()).unwrap().model);
+        assert_eq!(
+            read.ignored,
+            [
+                "_attn_implementation_autoset",
+                "_model_name_or_path",
+                "is_llama_config",
+                "max_sequence_length",
+                "pretraining_tp",
+                "rope_interleaved",
+                "transformers.js_config",
+                "unk_token_id",
+            ]
+        );
+        // A key of another class's: Qwen2 reads no `attention_bias` (its q/k/v have biases).
+        let mut qwen = llama();
+        qwen["architectures"] = json!(["Qwen2ForCausalLM"]);
+        qwen["model_type"] = json!("qwen2");
+        qwen["attention_bias"] = json!(false);
+        let read = parse(&qwen).unwrap();
+        assert!(read.model.qkv_bias);
+        assert_eq!(read.ignored, ["attention_bias"]);
+    }
+
+    #[test]
+    fn rope_scaling_sliding_windows_and_head_dim_are_read_as_transformers_reads_them() {
+        let mut config = llama();
+        config["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64});
+        config["head_dim"] = json!(32);
+        let m = parse(&config).unwrap().model;
+        assert_eq!(m.head_dim, Some(32));
+        assert_eq!(m.rope_theta, 5e5);
+        assert_eq!(
+            m.rope_scaling,
+            Some(RopeScaling::Llama3 {
+                factor: 32.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_seq_len: 64
+            })
+        );
+        // The legacy spelling: `rope_scaling` with `type`, θ at the top level; the pretraining
+        // context defaults to `max_position_embeddings`.
+        let mut legacy = llama();
+        legacy.as_object_mut().unwrap().remove("rope_parameters");
+        legacy["rope_theta"] = json!(1e4);
+        legacy["rope_scaling"] = json!({"type": "linear", "factor": 2.0});
+        let m = parse(&legacy).unwrap().model;
+        assert_eq!(
+            (m.rope_theta, m.rope_scaling),
+            (1e4, Some(RopeScaling::Linear { factor: 2.0 }))
+        );
+        // A head_dim equal to hidden / heads is no head_dim of its own.
+        let mut same = llama();
+        same["head_dim"] = json!(16);
+        assert_eq!(parse(&same).unwrap().model.head_dim, None);
+        // Mistral: a window no shorter than the context changes nothing; a shorter one is refused.
+        let mut mistral = llama();
+        mistral["architectures"] = json!(["MistralForCausalLM"]);
+        mistral["model_type"] = json!("mistral");
+        for (window, ok) in [
+            (Value::Null, true),
+            (json!(128), true),
+            (json!(4096), true),
+            (json!(64), false),
+        ] {
+            mistral["sliding_window"] = window.clone();
+            let read = parse(&mistral);
+            assert_eq!(read.is_ok(), ok, "{window}: {read:?}");
+            if !ok {
+                assert!(read.unwrap_err().to_string().contains("sliding_window"));
+            }
+        }
+        // Qwen2: the window applies only with use_sliding_window, from max_window_layers on.
+        let mut qwen = llama();
+        qwen["architectures"] = json!(["Qwen2ForCausalLM"]);
+        qwen["model_type"] = json!("qwen2");
+        qwen["sliding_window"] = json!(32);
+        for (use_window, from, ok) in [(false, 0, true), (true, 2, true), (true, 1, false)] {
+            qwen["use_sliding_window"] = json!(use_window);
+            qwen["max_window_layers"] = json!(from);
+            assert_eq!(parse(&qwen).is_ok(), ok, "{use_window} {from}");
+        }
+        qwen["layer_types"] = json!(["full_attention", "full_attention"]);
+        assert!(parse(&qwen).is_ok());
+        qwen["layer_types"] = json!(["full_attention", "chunked_attention"]);
+        assert!(
+            parse(&qwen)
+                .unwrap_err()
+                .to_string()
+                .contains("layer_types[1]")
+        );
     }
 
     #[test]
     fn written_configs_read_back_to_the_same_model() {
-        for kind in AttentionKind::ALL {
-            let config = ModelConfig::new(kind, 64, 3, 4, 300, 96)
-                .with_kv_heads(Some(2))
-                .with_rope_theta(20000.0)
-                .with_norm_eps(1e-6)
-                .with_ffn_dim(Some(100))
-                .with_tie_embeddings(true);
-            let arch = Architecture::of(kind);
-            let back = parse(&write(arch, &config, Dtype::Bf16, Some(3))).unwrap();
-            assert_eq!(back.architecture, arch);
-            assert_eq!(
-                back.model.config(0),
-                config.with_embedding_std(0.02),
-                "{kind}"
-            );
+        let llama3 = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_seq_len: 32,
+        };
+        for architecture in Architecture::ALL {
+            let kind = architecture.kind();
+            let bias = architecture == Architecture::Qwen2;
+            for (head_dim, scaling) in [(None, None), (Some(24), Some(llama3))] {
+                let config = ModelConfig::new(kind, 64, 3, 4, 300, 96)
+                    .with_kv_heads(Some(2))
+                    .with_rope_theta(20000.0)
+                    .with_norm_eps(1e-6)
+                    .with_ffn_dim(Some(100))
+                    .with_tie_embeddings(true)
+                    .with_head_dim(head_dim)
+                    .with_qkv_bias(bias)
+                    .with_rope_scaling(scaling);
+                let back = parse(&write(architecture, &config, Dtype::Bf16, Some(3))).unwrap();
+                assert_eq!(back.architecture, architecture);
+                assert!(back.ignored.is_empty(), "{:?}", back.ignored);
+                assert_eq!(
+                    back.model.config(0),
+                    config.with_embedding_std(0.02),
+                    "{architecture:?}"
+                );
+            }
         }
     }
 }

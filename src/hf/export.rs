@@ -2,12 +2,13 @@
 //! `AutoModelForCausalLM.from_pretrained(DIR)` (DIFF V2 with `trust_remote_code=True`): weights
 //! (sharded above `--max-shard-size`, with the index file), `config.json`,
 //! `generation_config.json`, and the run's tokenizer as `tokenizer.json` with
-//! `tokenizer_config.json`. Tensors are converted one at a time as they are written; the
+//! `tokenizer_config.json` (those an imported run brought, with its chat template, as they came).
+//! The class is the recipe's `model.hf_architecture` (an import's own), else the variant's. Tensors are converted one at a time as they are written; the
 //! directory is written under a temporary name and renamed at the end.
 
 use super::{
-    Architecture, CONFIG, Dtype, Entry, FloatFormat, Pending, TOKENIZER, V2_MODULE, V2_SOURCE,
-    WEIGHTS, WEIGHTS_INDEX, config, entries, write_file, write_safetensors,
+    Architecture, CONFIG, Dtype, Entry, FloatFormat, GENERATION_CONFIG, Pending, TOKENIZER,
+    V2_MODULE, V2_SOURCE, WEIGHTS, WEIGHTS_INDEX, config, entries, write_file, write_safetensors,
 };
 use crate::{device, run};
 use anyhow::{Context, Result, anyhow, bail};
@@ -72,7 +73,7 @@ fn export(
     let config = recipe.model_config();
     let device = device::parse("cpu")?;
     let (model, weights) = run::load_model(run_dir, &recipe, &device)?;
-    let architecture = Architecture::of(config.attention);
+    let architecture = recipe.model.architecture();
     let ours: BTreeMap<String, burn_pack::Tensor> = model
         .collect(None, Some(Box::new(BurnToPyTorchAdapter)), true)
         .into_iter()
@@ -135,24 +136,34 @@ fn export(
         &staging.join(CONFIG),
         &config::write(architecture, &config, dtype, eos),
     )?;
-    let mut generation = json!({});
-    if let Some(eos) = eos {
-        generation = json!({"bos_token_id": eos, "eos_token_id": eos});
+    // What the run's tokenizer came with (an import's chat template, special tokens and
+    // end-of-turn ids) goes out as it came in; a run trained here gets the defaults below.
+    let companions = match &tokenizer {
+        Some(_) => run::copy_companions(run_dir, staging)?,
+        None => Vec::new(),
+    };
+    if !companions.contains(&GENERATION_CONFIG) {
+        let mut generation = json!({});
+        if let Some(eos) = eos {
+            generation = json!({"bos_token_id": eos, "eos_token_id": eos});
+        }
+        write_json(&staging.join(GENERATION_CONFIG), &generation)?;
     }
-    write_json(&staging.join("generation_config.json"), &generation)?;
     if let Some(tokenizer) = &tokenizer {
         write_file(&staging.join(TOKENIZER), tokenizer.json())?;
         let eot = tokenizer.eot_token();
-        write_json(
-            &staging.join("tokenizer_config.json"),
-            &json!({
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": eot,
-                "eos_token": eot,
-                "model_max_length": config.max_seq_len,
-                "clean_up_tokenization_spaces": false,
-            }),
-        )?;
+        if !companions.contains(&crate::chat::TOKENIZER_CONFIG) {
+            write_json(
+                &staging.join(crate::chat::TOKENIZER_CONFIG),
+                &json!({
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "bos_token": eot,
+                    "eos_token": eot,
+                    "model_max_length": config.max_seq_len,
+                    "clean_up_tokenization_spaces": false,
+                }),
+            )?;
+        }
     }
     if architecture == Architecture::DiffzooV2 {
         write_file(&staging.join(format!("{V2_MODULE}.py")), V2_SOURCE)?;
@@ -177,7 +188,9 @@ fn hf_values(
         }
     }
     Ok(match &entry.rows {
-        Some(rows) => super::scatter_rows(&values, &rows.order(), entry.shape[1]),
+        Some(rows) => {
+            super::scatter_rows(&values, &rows.order(), entry.shape.get(1).map_or(1, |&c| c))
+        }
         None => values,
     })
 }

@@ -1,6 +1,9 @@
 //! `diffzoo import hf DIR --out RUN`: a transformers checkpoint (`LlamaForCausalLM`,
-//! `DiffLlamaForCausalLM`, or our own `DiffzooV2ForCausalLM` export) as a run directory that
-//! `generate`, every `eval`, `compare`, `export` and `training.init_from` accept.
+//! `MistralForCausalLM`, `Qwen2ForCausalLM`, `DiffLlamaForCausalLM`, or our own
+//! `DiffzooV2ForCausalLM` export) as a run directory that `generate`, every `eval`, `compare`,
+//! `export` and `training.init_from` accept. Config keys transformers does not read are listed
+//! and recorded in `import.json` (see [`super::config`]); the tokenizer comes with the files
+//! chat and generation read beside it ([`run::COMPANIONS`]).
 //!
 //! The safetensors files are memory-mapped and each tensor is converted (rows permuted, see
 //! [`super`]) when the writer of the run's `model.safetensors` reaches it; `model.bpk` is then
@@ -57,6 +60,13 @@ pub fn run(args: &ImportArgs) -> Result<()> {
     let (config, tokenizer) = result?;
     std::fs::rename(&staging, &args.out)
         .with_context(|| format!("renaming {} to {}", staging.display(), args.out.display()))?;
+    if !config.ignored.is_empty() {
+        println!(
+            "ignored {CONFIG} keys that transformers does not read for {}: {}",
+            config.architecture.class(),
+            config.ignored.join(", ")
+        );
+    }
     println!(
         "imported {} ({}, {} layers × {}, vocabulary {}{}) into {}",
         args.dir.display(),
@@ -108,11 +118,16 @@ fn import(dir: &Path, out: &Path, staging: &Path, dtype: Dtype) -> Result<(HfCon
         None
     };
 
+    if tokenizer.is_some() {
+        check_companions(dir)?;
+    }
     std::fs::create_dir_all(staging).with_context(|| format!("creating {}", staging.display()))?;
     let recipe = recipe_of(dir, out, &hf, dtype, tokenizer.is_some())?;
     write_file(&staging.join(run::RECIPE), recipe.to_toml())?;
+    let mut companions = Vec::new();
     if let Some(tokenizer) = &tokenizer {
         write_file(&staging.join(run::TOKENIZER), tokenizer.json())?;
+        companions = run::copy_companions(dir, staging)?;
     }
     let note = serde_json::json!({
         "format": "huggingface",
@@ -121,6 +136,8 @@ fn import(dir: &Path, out: &Path, staging: &Path, dtype: Dtype) -> Result<(HfCon
         "files": checkpoint.files.iter().map(|f| f.name.clone()).collect::<Vec<_>>(),
         "dtype": dtype.torch_name(),
         "tokenizer": tokenizer.is_some(),
+        "tokenizer_files": companions,
+        "ignored_config_keys": hf.ignored,
         "diffzoo": env!("CARGO_PKG_VERSION"),
     });
     write_file(
@@ -129,6 +146,24 @@ fn import(dir: &Path, out: &Path, staging: &Path, dtype: Dtype) -> Result<(HfCon
     )?;
     write_model(staging, &checkpoint, &tensors, &names, dtype)?;
     Ok((hf, tokenizer.is_some()))
+}
+
+/// The tokenizer's JSON companions parse, and a chat template compiles: a broken one is refused
+/// here, naming its file, rather than when a chat first renders it.
+fn check_companions(dir: &Path) -> Result<()> {
+    for name in run::COMPANIONS {
+        let path = dir.join(name);
+        if name.ends_with(".json") && path.is_file() {
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_str::<serde_json::Value>(&text)
+                .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        }
+    }
+    match crate::chat::Template::find(dir) {
+        Ok(_) | Err(crate::chat::NoTemplate::Missing(_)) => Ok(()),
+        Err(crate::chat::NoTemplate::Invalid(e)) => Err(e),
+    }
 }
 
 /// The run's recipe: the model from config.json; the embedded corpus read with the checkpoint's

@@ -3,13 +3,14 @@
 //!
 //! | diffzoo | transformers | tensor |
 //! |---|---|---|
-//! | `transformer` | `LlamaForCausalLM` | |
+//! | `transformer` | `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` (q/k/v biases) | |
 //! | `diff` (V1) | `DiffLlamaForCausalLM` | |
 //! | `diff-v2` | `DiffzooV2ForCausalLM` (`auto_map`, our `modeling_diffzoo_v2.py`) | |
 //! | `embed.weight` | `model.embed_tokens.weight` | copied |
 //! | `blocks.i.attn_norm.weight` | `model.layers.i.input_layernorm.weight` | copied |
 //! | `blocks.i.attn.{q,k}_proj.weight` | `model.layers.i.self_attn.{q,k}_proj.weight` | rows permuted |
 //! | `blocks.i.attn.v_proj.weight` | `model.layers.i.self_attn.v_proj.weight` | rows permuted (V1) |
+//! | `blocks.i.attn.{q,k,v}_proj.bias` | `model.layers.i.self_attn.{q,k,v}_proj.bias` (Qwen2) | as their weights' rows |
 //! | `blocks.i.attn.o_proj.weight` | `model.layers.i.self_attn.o_proj.weight` | V1: subln folded in |
 //! | `blocks.i.attn.lambda_{q1,k1,q2,k2}` | `model.layers.i.self_attn.lambda_{q1,k1,q2,k2}` | copied |
 //! | `blocks.i.attn.subln.weight` | — (DiffLlama's per-head RMSNorm has no weight) | import: ones |
@@ -40,6 +41,7 @@ pub const CONFIG: &str = "config.json";
 pub const WEIGHTS: &str = "model.safetensors";
 pub const WEIGHTS_INDEX: &str = "model.safetensors.index.json";
 pub const TOKENIZER: &str = "tokenizer.json";
+pub const GENERATION_CONFIG: &str = "generation_config.json";
 /// The self-contained transformers implementation of DIFF V2 written beside its export.
 pub const V2_MODULE: &str = "modeling_diffzoo_v2";
 pub const V2_SOURCE: &str = include_str!("modeling_diffzoo_v2.py");
@@ -61,19 +63,32 @@ pub fn staging(out: &Path) -> Result<PathBuf> {
     Ok(staging)
 }
 
-/// The transformers class of each variant.
+/// The transformers classes diffzoo reads and writes: Llama, Mistral and Qwen2 hold the
+/// baseline Transformer (Qwen2 with biases on q, k and v), DiffLlama DIFF V1, and our own
+/// class DIFF V2. Recipes name them (`model.hf_architecture`) by class.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     Llama,
+    Mistral,
+    Qwen2,
     DiffLlama,
     DiffzooV2,
 }
 
 impl Architecture {
-    pub const ALL: [Architecture; 3] = [Self::Llama, Self::DiffLlama, Self::DiffzooV2];
+    pub const ALL: [Architecture; 5] = [
+        Self::Llama,
+        Self::Mistral,
+        Self::Qwen2,
+        Self::DiffLlama,
+        Self::DiffzooV2,
+    ];
 
-    pub fn of(kind: AttentionKind) -> Self {
+    /// The class a model of `kind` exports as unless its recipe names one: Qwen2 for a
+    /// baseline with q/k/v biases (Llama has biases on every projection or none).
+    pub fn of(kind: AttentionKind, qkv_bias: bool) -> Self {
         match kind {
+            AttentionKind::Transformer if qkv_bias => Self::Qwen2,
             AttentionKind::Transformer => Self::Llama,
             AttentionKind::Diff => Self::DiffLlama,
             AttentionKind::DiffV2 => Self::DiffzooV2,
@@ -82,9 +97,38 @@ impl Architecture {
 
     pub fn kind(self) -> AttentionKind {
         match self {
-            Self::Llama => AttentionKind::Transformer,
+            Self::Llama | Self::Mistral | Self::Qwen2 => AttentionKind::Transformer,
             Self::DiffLlama => AttentionKind::Diff,
             Self::DiffzooV2 => AttentionKind::DiffV2,
+        }
+    }
+
+    /// Whether this class holds a model of `kind` with (or without) q/k/v biases; otherwise
+    /// why not.
+    pub fn holds(self, kind: AttentionKind, qkv_bias: bool) -> Result<()> {
+        if self.kind() != kind {
+            bail!(
+                "{} holds `attention = \"{}\"` models, not \"{kind}\"",
+                self.class(),
+                self.kind()
+            );
+        }
+        let biased = match self {
+            Self::Qwen2 => true,
+            Self::DiffzooV2 => qkv_bias,
+            _ => false,
+        };
+        match (biased, qkv_bias) {
+            (true, false) => bail!(
+                "{} has biases on q, k and v: it needs `qkv_bias = true`",
+                self.class()
+            ),
+            (false, true) => bail!(
+                "{} has no biases on q, k and v alone: `qkv_bias = true` needs {}",
+                self.class(),
+                Self::of(kind, true).class()
+            ),
+            _ => Ok(()),
         }
     }
 
@@ -92,6 +136,8 @@ impl Architecture {
     pub fn class(self) -> &'static str {
         match self {
             Self::Llama => "LlamaForCausalLM",
+            Self::Mistral => "MistralForCausalLM",
+            Self::Qwen2 => "Qwen2ForCausalLM",
             Self::DiffLlama => "DiffLlamaForCausalLM",
             Self::DiffzooV2 => "DiffzooV2ForCausalLM",
         }
@@ -101,6 +147,8 @@ impl Architecture {
     pub fn model_type(self) -> &'static str {
         match self {
             Self::Llama => "llama",
+            Self::Mistral => "mistral",
+            Self::Qwen2 => "qwen2",
             Self::DiffLlama => "diffllama",
             Self::DiffzooV2 => "diffzoo_v2",
         }
@@ -114,6 +162,19 @@ impl Architecture {
                 Self::ALL.map(Self::class).join(", ")
             ),
         }
+    }
+}
+
+impl serde::Serialize for Architecture {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.class())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Architecture {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let class = String::deserialize(deserializer)?;
+        Self::from_class(&class).map_err(serde::de::Error::custom)
     }
 }
 
@@ -226,6 +287,20 @@ pub fn entries(config: &ModelConfig) -> Vec<Entry> {
             &[kv_heads * d, d_model],
             paired.then(|| rows(kv_heads, d, true, false)),
         ));
+        if config.qkv_bias {
+            // Each bias in the order of its projection's rows.
+            let biases: Vec<Entry> = all[all.len() - 3..]
+                .iter()
+                .map(|w| Entry {
+                    ours: w.ours.replace(".weight", ".bias"),
+                    hf: w.hf.as_ref().map(|h| h.replace(".weight", ".bias")),
+                    shape: vec![w.shape[0]],
+                    rows: w.rows,
+                    linear: false,
+                })
+                .collect();
+            all.extend(biases);
+        }
         all.push(weight(
             "attn.o_proj",
             "self_attn.o_proj",
@@ -296,6 +371,7 @@ pub fn burn_names(config: &ModelConfig) -> Result<HashMap<String, String>> {
         .with_kv_heads(Some(2))
         .with_ffn_dim(Some(8))
         .with_tie_embeddings(config.tie_embeddings)
+        .with_qkv_bias(config.qkv_bias)
         .init(&crate::device::parse("cpu")?);
     let burn = tiny.collect(None, None, false);
     let ours = tiny.collect(None, Some(Box::new(BurnToPyTorchAdapter)), true);
@@ -390,7 +466,7 @@ pub fn source_index(entry: &Entry, order: Option<&[usize]>, i: usize) -> usize {
     let (r, c, cols) = match entry.shape[..] {
         [rows, cols] if entry.linear => (i % rows, i / rows, cols),
         [_, cols] => (i / cols, i % cols, cols),
-        _ => return i,
+        _ => (i, 0, 1),
     };
     order.map_or(r, |o| o[r]) * cols + c
 }

@@ -11,7 +11,8 @@ torch and transformers only. The equations are diffzoo's `models/src/attention/d
     out_h = o_{2h} − λ_{t,h}·o_{2h+1}                             no subln, no λ_init
     out = Concat(out_0 … out_{H−1})·W_o
 
-The block around it is Llama's: pre-norm RMSNorm, SwiGLU, no biases, RoPE by `rotate_half`
+The block around it is Llama's: pre-norm RMSNorm, SwiGLU, no biases (but on q, k and v with
+`qkv_bias`), RoPE by `rotate_half` (its frequencies rescaled by `rope_parameters` as Llama's)
 (diffzoo permutes q/k rows on export so that this layout computes its adjacent-pair rotation).
 There is no KV cache: each call recomputes the whole sequence.
 """
@@ -43,13 +44,14 @@ class DiffzooV2Config(PretrainedConfig):
         rope_parameters=None,
         tie_word_embeddings=False,
         hidden_act="silu",
+        qkv_bias=False,
         attention_bias=False,
         mlp_bias=False,
         attention_dropout=0.0,
         **kwargs,
     ):
         if hidden_act != "silu" or attention_bias or mlp_bias or attention_dropout:
-            raise ValueError("DIFF V2 as diffzoo trains it has SwiGLU, no biases and no attention dropout")
+            raise ValueError("DIFF V2 as diffzoo trains it has SwiGLU, no biases but on q/k/v, no attention dropout")
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -57,16 +59,17 @@ class DiffzooV2Config(PretrainedConfig):
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_key_value_heads or num_attention_heads
         self.head_dim = head_dim or hidden_size // num_attention_heads
-        if self.head_dim * num_attention_heads != hidden_size:
-            raise ValueError("head_dim must be hidden_size / num_attention_heads")
         self.max_position_embeddings = max_position_embeddings
         self.rms_norm_eps = rms_norm_eps
-        if rope_parameters is not None:
-            if rope_parameters.get("rope_type", "default") != "default":
-                raise ValueError("only the default (unscaled) RoPE is implemented")
-            rope_theta = rope_parameters.get("rope_theta", rope_theta)
-        self.rope_theta = rope_theta
+        rope_parameters = dict(rope_parameters or {})
+        if rope_parameters.get("rope_type", "default") not in ("default", "linear", "llama3"):
+            raise ValueError("RoPE types: default, linear and llama3")
+        rope_parameters.setdefault("rope_type", "default")
+        rope_parameters.setdefault("rope_theta", rope_theta)
+        self.rope_parameters = rope_parameters
+        self.rope_theta = rope_parameters["rope_theta"]
         self.hidden_act = hidden_act
+        self.qkv_bias = qkv_bias
         self.attention_bias = attention_bias
         self.mlp_bias = mlp_bias
         self.attention_dropout = attention_dropout
@@ -91,10 +94,27 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope_tables(config, seq_len, device, dtype):
-    """cos and sin of position·θ^(−2i/d), each half of the head repeated: [S, d]."""
-    d = config.head_dim
+def inverse_frequencies(config, device):
+    """θ^(−2i/d), rescaled as transformers' `linear` and `llama3` RoPE types rescale them."""
+    d, p = config.head_dim, config.rope_parameters
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    if p["rope_type"] == "linear":
+        inv_freq = inv_freq / p["factor"]
+    elif p["rope_type"] == "llama3":
+        factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+        old = p.get("original_max_position_embeddings", config.max_position_embeddings)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(
+            wavelen < old / high, inv_freq, torch.where(wavelen > old / low, inv_freq / factor, blended)
+        )
+    return inv_freq
+
+
+def rope_tables(config, seq_len, device, dtype):
+    """cos and sin of position·θᵢ, each half of the head repeated: [S, d]."""
+    inv_freq = inverse_frequencies(config, device)
     angles = torch.arange(seq_len, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -109,9 +129,10 @@ class DiffzooV2Attention(nn.Module):
         if (2 * self.heads) % self.kv_heads:
             raise ValueError("2·num_attention_heads must be a multiple of num_key_value_heads")
         hidden, d = config.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(hidden, 2 * self.heads * d, bias=False)
-        self.k_proj = nn.Linear(hidden, self.kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(hidden, self.kv_heads * d, bias=False)
+        bias = config.qkv_bias
+        self.q_proj = nn.Linear(hidden, 2 * self.heads * d, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.heads * d, hidden, bias=False)
         self.lambda_proj = nn.Linear(hidden, self.heads, bias=False)
 
