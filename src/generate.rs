@@ -10,9 +10,19 @@
 //! (one prompt) recomputes the last `max_seq_len` tokens for every further token, as a model
 //! without a cache would. Sampling: greedy at
 //! temperature 0, else the temperature's softmax restricted to the `--top-k` most likely tokens
-//! and then to the smallest set whose probability reaches `--top-p`. A prompt stops at the
-//! end-of-text token (unless `--ignore-eot`), at `--stop`, or after `--max-tokens`.
+//! and then to the smallest set whose probability reaches `--top-p`. A prompt stops at an
+//! end token (unless `--ignore-eot`), at `--stop`, or after `--max-tokens`; the end tokens are
+//! the tokenizer's end-of-text and the `eos_token_id`s of the run's `generation_config.json`
+//! (an instruct model's end of turn).
+//!
+//! Chat: `--messages FILE` renders each conversation with the run's own chat template and the
+//! generation prompt ([`crate::chat`]) and generates the assistant's turn; `--chat` talks with
+//! the model on the terminal, one line a turn, the conversation kept and the KV cache reused
+//! between turns (the next turn's rendering is compared with what the cache holds, which is
+//! cut back to the tokens they share; only the rest is computed).
 
+use crate::chat::{self, Message, Template};
+use crate::hf::GENERATION_CONFIG;
 use crate::{device, run};
 use anyhow::{Result, anyhow, bail};
 use burn::tensor::Device;
@@ -21,7 +31,7 @@ use diffzoo_datasets::{Rng, TextTokenizer};
 use diffzoo_models::{KvCache, Model};
 use serde::Serialize;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -35,6 +45,16 @@ pub struct GenerateArgs {
     /// A file of prompts, one per line, generated as one batch after any --prompt.
     #[arg(long)]
     pub prompts: Option<PathBuf>,
+    /// Conversations rendered with the run's chat template: a JSON list of {"role", "content"},
+    /// or JSON lines of such lists (or of objects with `messages`), one conversation each.
+    #[arg(long, conflicts_with_all = ["prompt", "prompts", "chat", "sliding_window"])]
+    pub messages: Option<PathBuf>,
+    /// Talk with the model: each line read is a user turn (end with an empty input or EOF).
+    #[arg(long, conflicts_with_all = ["prompt", "prompts", "sliding_window", "json"])]
+    pub chat: bool,
+    /// With --chat, a system message that opens the conversation.
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
     #[arg(long, default_value_t = 200)]
     pub max_tokens: usize,
     /// Sampling temperature; 0 decodes greedily.
@@ -55,7 +75,7 @@ pub struct GenerateArgs {
     /// Untimed prefills of the first prompt before generating (benchmarks time a warm process).
     #[arg(long, default_value_t = 0)]
     pub warmup: usize,
-    /// Go on past the end-of-text token (benchmarks generate a fixed number of tokens).
+    /// Go on past the end tokens (benchmarks generate a fixed number of tokens).
     #[arg(long)]
     pub ignore_eot: bool,
     /// Go on past the model's context (one prompt): every further token recomputes the last
@@ -83,11 +103,14 @@ struct Output {
 
 #[derive(Debug, Serialize)]
 struct Generation {
+    /// The prompt's text (a conversation's rendering).
     prompt: String,
+    /// The ids the prompt was tokenized to, as the model read them.
+    prompt_ids: Vec<u32>,
     completion: String,
     /// Every token sampled (with `stop`, the last may reach past the cut text).
     tokens: Vec<u32>,
-    /// `end-of-text`, `stop` or `max-tokens`.
+    /// `end-of-text` (an end token), `stop` or `max-tokens`.
     stopped: Ending,
 }
 
@@ -127,9 +150,22 @@ struct Row {
 
 pub fn run(args: &GenerateArgs) -> Result<()> {
     check_sampling(args)?;
-    let texts = prompt_texts(args)?;
     let recipe = run::run_recipe(&args.run)?;
     let tokenizer = run::run_tokenizer(&args.run)?;
+    let ends = Ends::of(&args.run, &tokenizer)?;
+    if args.chat {
+        return chat(args, &recipe, &tokenizer, &ends);
+    }
+    let texts = match &args.messages {
+        Some(file) => {
+            let template = Template::find(&args.run)?;
+            chat::read_conversations(file)?
+                .iter()
+                .map(|c| template.render(c, true))
+                .collect::<Result<Vec<_>>>()?
+        }
+        None => prompt_texts(args)?,
+    };
     let context = recipe.model_config().max_seq_len;
     let eot = tokenizer.eot_id();
     let mut rows = Vec::with_capacity(texts.len());
@@ -179,7 +215,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     }
     let (mut prefill_seconds, mut decode_seconds, mut decode_tokens) = (0.0, 0.0, 0);
     for batch in rows.chunks_mut(args.batch_size) {
-        let timed = generate_batch(args, &model, &device, &tokenizer, batch, stream_one)?;
+        let timed = generate_batch(args, &model, &device, &tokenizer, &ends, batch, stream_one)?;
         prefill_seconds += timed.0;
         decode_seconds += timed.1;
         decode_tokens += timed.2 * batch.len();
@@ -208,6 +244,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             }
             Generation {
                 prompt,
+                prompt_ids: row.prompt,
                 completion: row.completion,
                 tokens: row.tokens,
                 stopped: row.stopped.unwrap_or(Ending::MaxTokens),
@@ -239,15 +276,43 @@ fn generate_batch(
     model: &Model,
     device: &Device,
     tokenizer: &TextTokenizer,
+    ends: &Ends,
     rows: &mut [Row],
     stream_one: bool,
 ) -> Result<(f64, f64, usize)> {
-    let eot = tokenizer.eot_id();
     let started = Instant::now();
     let prompts: Vec<&[u32]> = rows.iter().map(|r| r.prompt.as_slice()).collect();
-    let (mut decoder, mut logits) = Decoder::prefill(model, device, &prompts, eot)?;
+    let (mut decoder, logits) = Decoder::prefill(model, device, &prompts, tokenizer.eot_id())?;
     let prefill_seconds = started.elapsed().as_secs_f64();
     let decoding = Instant::now();
+    decode(
+        args,
+        &mut decoder,
+        logits,
+        tokenizer,
+        ends,
+        rows,
+        stream_one,
+    )?;
+    Ok((
+        prefill_seconds,
+        decoding.elapsed().as_secs_f64(),
+        decoder.steps,
+    ))
+}
+
+/// Samples up to `--max-tokens` tokens for each row from `logits` (those after each row's
+/// prompt) on, feeding each back through `decoder`, until every row has stopped.
+fn decode(
+    args: &GenerateArgs,
+    decoder: &mut Decoder,
+    mut logits: Vec<Vec<f32>>,
+    tokenizer: &TextTokenizer,
+    ends: &Ends,
+    rows: &mut [Row],
+    stream_one: bool,
+) -> Result<()> {
+    let eot = tokenizer.eot_id();
     for step in 1..=args.max_tokens {
         for (row, logits) in rows.iter_mut().zip(logits) {
             if row.stopped.is_some() {
@@ -260,7 +325,7 @@ fn generate_batch(
                 args.top_p,
                 &mut row.rng,
             );
-            if next == eot && !args.ignore_eot {
+            if ends.contains(next) && !args.ignore_eot {
                 row.stopped = Some(Ending::EndOfText);
                 continue;
             }
@@ -288,11 +353,134 @@ fn generate_batch(
             .collect();
         logits = decoder.step(&newest, &rows[0])?;
     }
-    Ok((
-        prefill_seconds,
-        decoding.elapsed().as_secs_f64(),
-        decoder.steps,
-    ))
+    Ok(())
+}
+
+/// The tokens that end a generation: the tokenizer's end-of-text and the `eos_token_id` (one
+/// id or a list) of the run's `generation_config.json`, where instruct models name their end of
+/// turn.
+struct Ends(Vec<u32>);
+
+impl Ends {
+    fn of(run: &Path, tokenizer: &TextTokenizer) -> Result<Self> {
+        let mut ids = vec![tokenizer.eot_id()];
+        let path = run.join(GENERATION_CONFIG);
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            let config: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+            let listed = match &config["eos_token_id"] {
+                serde_json::Value::Null => Vec::new(),
+                serde_json::Value::Array(list) => list.clone(),
+                one => vec![one.clone()],
+            };
+            for id in listed {
+                let id = id
+                    .as_u64()
+                    .and_then(|id| u32::try_from(id).ok())
+                    .ok_or_else(|| {
+                        anyhow!(
+                            "{}: `eos_token_id` holds {id}, not a token id",
+                            path.display()
+                        )
+                    })?;
+                ids.push(id);
+            }
+        }
+        Ok(Self(ids))
+    }
+
+    fn contains(&self, id: u32) -> bool {
+        self.0.contains(&id)
+    }
+}
+
+/// `--chat`: one user turn per line of standard input, each answer streamed, until an empty
+/// line or the end of the input. The KV cache keeps the conversation: each turn computes only
+/// what its rendering adds to what the cache holds.
+fn chat(
+    args: &GenerateArgs,
+    recipe: &crate::recipe::Recipe,
+    tokenizer: &TextTokenizer,
+    ends: &Ends,
+) -> Result<()> {
+    use std::io::BufRead;
+    let template = Template::find(&args.run)?;
+    let device = device::parse(&args.device)?;
+    let (model, weights) = run::load_model(&args.run, recipe, &device)?;
+    let context = recipe.model_config().max_seq_len;
+    eprintln!(
+        "({weights}; chat template {}; an empty line ends)",
+        template.origin()
+    );
+    let mut conversation: Vec<Message> = args
+        .system
+        .iter()
+        .map(|s| Message::new("system", s))
+        .collect();
+    let mut decoder = Decoder::new(&model, &device);
+    // The ids whose keys and values the cache holds.
+    let mut cached: Vec<u32> = Vec::new();
+    let mut rng = Rng::new(args.seed);
+    let mut lines = std::io::stdin().lock().lines();
+    loop {
+        eprint!("> ");
+        std::io::stderr().flush()?;
+        let Some(line) = lines.next().transpose()? else {
+            break;
+        };
+        if line.trim().is_empty() {
+            break;
+        }
+        conversation.push(Message::new("user", &line));
+        let prompt = tokenizer.encode(&template.render(&conversation, true)?)?;
+        if prompt.is_empty() {
+            bail!(
+                "{}: the conversation renders to no tokens",
+                template.origin()
+            );
+        }
+        if prompt.len() + args.max_tokens > context {
+            bail!(
+                "the conversation has grown to {} tokens: with --max-tokens {} it would pass the model's context of {context} positions",
+                prompt.len(),
+                args.max_tokens
+            );
+        }
+        let shared = cached
+            .iter()
+            .zip(&prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
+        // The last prompt token is fed again when the cache holds it all: its logits are needed.
+        let keep = shared.min(prompt.len() - 1);
+        decoder.cache.truncate(keep);
+        let logits = decoder.feed(&prompt[keep..], 1)?;
+        let mut row = [Row {
+            prompt: prompt.clone(),
+            tokens: Vec::new(),
+            completion: String::new(),
+            printed: String::new(),
+            stopped: None,
+            rng: rng.clone(),
+        }];
+        decode(args, &mut decoder, logits, tokenizer, ends, &mut row, true)?;
+        let [row] = row;
+        if let Some(rest) = row.completion.strip_prefix(row.printed.as_str()) {
+            print!("{rest}");
+        }
+        println!();
+        rng = row.rng;
+        // The cache holds the prompt and every token fed back: all sampled ones when an end
+        // token was sampled after them, else all but the last.
+        let fed = match row.stopped {
+            Some(Ending::EndOfText) => row.tokens.len(),
+            _ => row.tokens.len().saturating_sub(1),
+        };
+        cached = prompt;
+        cached.extend(&row.tokens[..fed]);
+        conversation.push(Message::new("assistant", &row.completion));
+    }
+    Ok(())
 }
 
 /// The prompts: each `--prompt`, then the lines of `--prompts`; one empty prompt without either.
@@ -381,6 +569,16 @@ struct Decoder<'a> {
 }
 
 impl<'a> Decoder<'a> {
+    /// An empty cache.
+    fn new(model: &'a Model, device: &'a Device) -> Self {
+        Self {
+            model,
+            device,
+            cache: model.cache(),
+            steps: 0,
+        }
+    }
+
     /// The prompts in one pass, left-padded to the longest (with `pad`, masked out), each cut to
     /// its last `max_seq_len` tokens (only `--sliding-window` lets one be longer).
     fn prefill(
@@ -402,10 +600,8 @@ impl<'a> Decoder<'a> {
             false => cache,
         };
         let mut decoder = Self {
-            model,
-            device,
             cache,
-            steps: 0,
+            ..Self::new(model, device)
         };
         let ids: Vec<u32> = prompts
             .iter()

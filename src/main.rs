@@ -2,6 +2,7 @@
 
 mod allocator;
 mod bench;
+mod chat;
 mod data;
 mod device;
 mod eval;
