@@ -3,12 +3,14 @@
 //! `diffzoo data tokenizer`: the BPE alone, trained once before the parts;
 //! `diffzoo data verify`: shards checked against their manifest.
 
+use crate::chat::{self, Template};
+use crate::run;
 use crate::slurm::{self, After, Job, SlurmArgs};
 use anyhow::{Context, Result, bail};
-use diffzoo_datasets::input::InputFile;
+use diffzoo_datasets::input::{InputFile, Records};
 use diffzoo_datasets::parts::{self, part_dir};
-use diffzoo_datasets::shards::{MANIFEST, SplitRule, prepare as prepare_shards};
-use diffzoo_datasets::{Documents, PrepareOptions, TextTokenizer, TokenDtype, input};
+use diffzoo_datasets::shards::{MANIFEST, Scored, SplitRule, prepare as prepare_shards};
+use diffzoo_datasets::{Documents, PrepareOptions, Skip, Split, TextTokenizer, TokenDtype, input};
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -17,12 +19,26 @@ pub struct PrepareArgs {
     /// recursively).
     #[arg(long = "input", required = true, num_args = 1..)]
     inputs: Vec<PathBuf>,
-    /// A tokenizer.json to use.
+    /// A tokenizer.json to use (with --template RUN: default the run's).
     #[arg(long, conflicts_with = "vocab_size")]
     tokenizer: Option<PathBuf>,
     /// Train a byte-level BPE of this size on the inputs instead.
-    #[arg(long, required_unless_present = "tokenizer")]
+    #[arg(long, required_unless_present_any = ["tokenizer", "template"])]
     vocab_size: Option<usize>,
+    /// Instruction data: the inputs are JSON lines of conversations (`messages`: a list of
+    /// {"role", "content"}) or of `prompt`/`completion` pairs, rendered with this chat template
+    /// (a run or checkpoint directory holding one, or a .jinja file); the loss will score the
+    /// assistant's tokens only.
+    #[arg(long, conflicts_with_all = ["vocab_size", "part", "slurm"])]
+    template: Option<PathBuf>,
+    /// With --template: skip conversations longer than this many tokens (default: the template
+    /// run's context, when --template is a run).
+    #[arg(long, requires = "template")]
+    context: Option<usize>,
+    /// With --template: conversations for the validation split alone (files or directories, as
+    /// --input); the --input ones then all go to training, whatever --validation-every says.
+    #[arg(long, requires = "template", num_args = 1..)]
+    validation_input: Vec<PathBuf>,
     /// Text bytes read from the inputs to train the BPE on.
     #[arg(long, default_value_t = 256 << 20)]
     tokenizer_sample_bytes: usize,
@@ -78,6 +94,9 @@ pub fn prepare(args: &PrepareArgs) -> Result<()> {
     if let Some(count) = args.slurm {
         return slurm_jobs(args, count);
     }
+    if let Some(template) = &args.template {
+        return prepare_conversations(args, template, dtype);
+    }
     let part = args.part.as_deref().map(parse_part).transpose()?;
     let out = match part {
         Some((index, _)) => part_dir(&args.out, index),
@@ -124,22 +143,164 @@ pub fn prepare(args: &PrepareArgs) -> Result<()> {
         &options,
         skipped,
     )?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&manifest)?);
+    report(&out, &manifest, args.json, "documents")
+}
+
+/// Prints what a preparation wrote (or its manifest, with `json`), and says so when the
+/// validation split got nothing.
+fn report(
+    out: &Path,
+    manifest: &diffzoo_datasets::Manifest,
+    json: bool,
+    documents: &str,
+) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(manifest)?);
     } else {
+        let scored = |split: &diffzoo_datasets::shards::SplitInfo| {
+            split
+                .scored_tokens
+                .map_or(String::new(), |n| format!(" ({n} scored)"))
+        };
         println!(
-            "{}: {} train tokens in {} documents, {} validation tokens in {} documents, {} shard files, tokenizer {}",
+            "{}: {} train tokens{} in {} {documents}, {} validation tokens{} in {} {documents}, {} shard files, tokenizer {}",
             out.display(),
             manifest.train.tokens,
+            scored(&manifest.train),
             manifest.train.documents,
             manifest.validation.tokens,
+            scored(&manifest.validation),
             manifest.validation.documents,
             manifest.train.shards.len() + manifest.validation.shards.len(),
             manifest.tokenizer.hash
         );
         print_skipped(&manifest.skipped);
     }
+    if manifest.validation.documents == 0
+        && manifest.validation_every > 0
+        && manifest.part.is_none()
+    {
+        eprintln!(
+            "warning: the validation split is empty: none of the {} {documents} was chosen for it (about one in {}); training needs one. Pass a smaller --validation-every (e.g. --validation-every 2), or give more {documents}",
+            manifest.train.documents, manifest.validation_every
+        );
+    }
     Ok(())
+}
+
+/// `data prepare --template`: conversations rendered with a chat template into conversation
+/// shards (see `diffzoo_datasets::shards`), the assistant's tokens flagged for the loss. The
+/// shard directory keeps the template and the tokenizer's companions, so that a run trained on
+/// it can chat as its source did.
+fn prepare_conversations(
+    args: &PrepareArgs,
+    template_path: &Path,
+    dtype: Option<TokenDtype>,
+) -> Result<()> {
+    if args.out.exists() && !args.overwrite {
+        bail!(
+            "{}: already exists (pass --overwrite to replace it)",
+            args.out.display()
+        );
+    }
+    let template = Template::open(template_path)
+        .with_context(|| format!("--template {}", template_path.display()))?;
+    let run_dir = template_path.is_dir().then_some(template_path);
+    let tokenizer = match (&args.tokenizer, run_dir) {
+        (Some(path), _) => TextTokenizer::from_file(path)?,
+        (None, Some(dir)) if dir.join(run::TOKENIZER).is_file() => {
+            TextTokenizer::from_file(&dir.join(run::TOKENIZER))?
+        }
+        (None, _) => bail!(
+            "--template {} holds no {}: give --tokenizer FILE",
+            template_path.display(),
+            run::TOKENIZER
+        ),
+    };
+    let context = match (args.context, run_dir) {
+        (Some(n), _) => Some(n),
+        (None, Some(dir)) if dir.join(run::RECIPE).is_file() => {
+            Some(run::run_recipe(dir)?.model_config().max_seq_len)
+        }
+        _ => None,
+    };
+    // The split of each input: by the rule, or given (--validation-input).
+    let given = !args.validation_input.is_empty();
+    let inputs = [
+        (&args.inputs, given.then_some(Split::Train)),
+        (&args.validation_input, Some(Split::Validation)),
+    ];
+    let (mut conversations, mut skipped, mut input_bytes) = (Vec::new(), Vec::new(), 0);
+    for (paths, split) in inputs.into_iter().filter(|(p, _)| !p.is_empty()) {
+        let (files, skips) = input::resolve(paths)?;
+        skipped.extend(skips);
+        input_bytes += files
+            .iter()
+            .map(|f| std::fs::metadata(&f.path).map_or(0, |m| m.len()))
+            .sum::<u64>();
+        let mut records = Records::new(files)?;
+        for record in &mut records {
+            let record = record?;
+            let skip = |reason: String| Skip {
+                file: record.file.display().to_string(),
+                line: Some(record.line),
+                row: None,
+                reason,
+            };
+            let rendered = chat::training_turns(&record.value)
+                .and_then(|messages| chat::scored_tokens(&template, &tokenizer, &messages));
+            match rendered {
+                Err(e) => skipped.push(skip(format!("{e:#}"))),
+                Ok((_, ids, _)) if context.is_some_and(|c| ids.len() > c) => {
+                    skipped.push(skip(format!(
+                        "{} tokens, longer than the context of {}",
+                        ids.len(),
+                        context.unwrap_or_default()
+                    )))
+                }
+                Ok((text, ids, scored)) => {
+                    conversations.push((split, Scored { text, ids, scored }))
+                }
+            }
+        }
+        skipped.extend(records.skipped().iter().cloned());
+    }
+    let options = PrepareOptions {
+        out: args.out.clone(),
+        validation_every: args.validation_every,
+        split_rule: SplitRule::Sha256,
+        part: None,
+        shard_tokens: args.shard_tokens,
+        dtype,
+        overwrite: args.overwrite,
+        progress: false,
+    };
+    let manifest = diffzoo_datasets::shards::prepare_conversations(
+        conversations.into_iter(),
+        &tokenizer,
+        &options,
+        template.origin(),
+        input_bytes,
+        skipped,
+    )?;
+    // The template goes with the shards: its own file, or the directory's companions.
+    match run_dir {
+        Some(dir) => {
+            run::copy_companions(dir, &args.out)?;
+        }
+        None => {
+            std::fs::copy(template_path, args.out.join(chat::TEMPLATE_FILE)).with_context(
+                || {
+                    format!(
+                        "copying {} into {}",
+                        template_path.display(),
+                        args.out.display()
+                    )
+                },
+            )?;
+        }
+    }
+    report(&args.out, &manifest, args.json, "conversations")
 }
 
 #[derive(Debug, Clone, clap::Args)]

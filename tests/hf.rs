@@ -14,10 +14,27 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// The transformers fixtures: name, and whether it ships a tokenizer.
-const FIXTURES: [(&str, bool); 3] = [
+const FIXTURES: [(&str, bool); 7] = [
     ("llama_gqa", false),
     ("diffllama_mha", true),
     ("diffllama_gqa", false),
+    ("llama3_tied", true),
+    ("qwen2_bias", true),
+    ("mistral_window", false),
+    ("gguf_llama", true),
+];
+
+/// The fixtures of the real-model families, with the transformers class each exports as, and the
+/// config keys transformers does not read that their import lists.
+const FAMILIES: [(&str, &str, &[&str]); 4] = [
+    ("llama3_tied", "LlamaForCausalLM", &["pretraining_tp"]),
+    ("qwen2_bias", "Qwen2ForCausalLM", &[]),
+    ("mistral_window", "MistralForCausalLM", &[]),
+    (
+        "gguf_llama",
+        "LlamaForCausalLM",
+        &["_model_name_or_path", "pretraining_tp", "unk_token_id"],
+    ),
 ];
 
 /// Per-token NLL agreement with transformers (f32 on both sides; measured ≤ 1e-5 on NLLs of 3
@@ -182,6 +199,57 @@ fn transformers_checkpoints_import_to_their_nll_on_every_backend() {
     assert_nll_close("llama_gqa as bf16", &got, &want, NLL_TOLERANCE);
 }
 
+/// The families' imports say what they ignored (and record it), keep the tokenizer's chat
+/// files, and record the class they export as.
+#[test]
+fn real_model_families_import_with_what_transformers_ignores_listed() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, class, ignored) in FAMILIES {
+        let run = tmp.path().join(name);
+        let stdout = import(&fixture(name), &run);
+        let note = json(&run.join("import.json"));
+        let listed: Vec<&str> = note["ignored_config_keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|k| k.as_str().unwrap())
+            .collect();
+        assert_eq!(listed, ignored, "{name}");
+        assert_eq!(
+            stdout.contains("ignored config.json keys"),
+            !ignored.is_empty(),
+            "{stdout}"
+        );
+        for key in ignored {
+            assert!(stdout.contains(key), "{name}: {key} in {stdout}");
+        }
+        let recipe = std::fs::read_to_string(run.join("recipe.toml")).unwrap();
+        assert!(
+            recipe.contains(&format!("hf_architecture = \"{class}\"")),
+            "{recipe}"
+        );
+        for file in ["tokenizer_config.json", "generation_config.json"] {
+            let shipped = fixture(name).join(file).exists();
+            assert_eq!(
+                run.join(file).exists(),
+                shipped && fixture(name).join("tokenizer.json").exists(),
+                "{name}: {file}"
+            );
+        }
+    }
+    let qwen = std::fs::read_to_string(tmp.path().join("qwen2_bias/recipe.toml")).unwrap();
+    assert!(
+        qwen.contains("qkv_bias = true") && qwen.contains("head_dim = 24"),
+        "{qwen}"
+    );
+    let llama3 = std::fs::read_to_string(tmp.path().join("llama3_tied/recipe.toml")).unwrap();
+    assert!(
+        llama3.contains("type = \"llama3\"") && llama3.contains("original_max_seq_len = 16"),
+        "{llama3}"
+    );
+    assert!(tmp.path().join("llama3_tied/chat_template.jinja").exists());
+}
+
 /// f32 little-endian bytes rounded to bf16 bytes.
 fn to_bf16(f32_bytes: &[u8]) -> Vec<u8> {
     f32_bytes
@@ -208,19 +276,13 @@ fn bad_checkpoints_are_refused_by_name_and_leave_nothing() {
             &["config.json"],
         ),
         (
-            "mistral",
-            "llama_gqa",
-            Box::new(move |d| {
-                edit_config(d, &|c| {
-                    c["architectures"] = serde_json::json!(["MistralForCausalLM"]);
-                    c["model_type"] = "mistral".into();
-                    c["sliding_window"] = 4096.into();
-                })
-            }),
-            &["MistralForCausalLM"],
+            "sliding window",
+            "mistral_window",
+            Box::new(move |d| edit_config(d, &|c| c["sliding_window"] = 32.into())),
+            &["sliding_window", "32", "max_position_embeddings"],
         ),
         (
-            "qwen2",
+            "qwen2 without biases",
             "llama_gqa",
             Box::new(move |d| {
                 edit_config(d, &|c| {
@@ -228,7 +290,35 @@ fn bad_checkpoints_are_refused_by_name_and_leave_nothing() {
                     c["model_type"] = "qwen2".into();
                 })
             }),
-            &["Qwen2ForCausalLM"],
+            &["model.layers.0.self_attn.q_proj.bias", "missing"],
+        ),
+        (
+            "gemma",
+            "llama_gqa",
+            Box::new(move |d| {
+                edit_config(d, &|c| {
+                    c["architectures"] = serde_json::json!(["GemmaForCausalLM"]);
+                    c["model_type"] = "gemma".into();
+                })
+            }),
+            &["GemmaForCausalLM"],
+        ),
+        (
+            "every key at once",
+            "llama3_tied",
+            Box::new(move |d| {
+                edit_config(d, &|c| {
+                    c["attention_bias"] = true.into();
+                    c["hidden_act"] = "gelu".into();
+                    c["rope_parameters"]["rope_type"] = "yarn".into();
+                })
+            }),
+            &[
+                "3 keys",
+                "attention_bias",
+                "hidden_act",
+                "rope_parameters.rope_type",
+            ],
         ),
         (
             "biases",
@@ -247,10 +337,20 @@ fn bad_checkpoints_are_refused_by_name_and_leave_nothing() {
             &["rope_parameters.rope_type"],
         ),
         (
-            "unknown key",
+            "quantized",
             "diffllama_gqa",
-            Box::new(move |d| edit_config(d, &|c| c["logit_softcapping"] = 30.0.into())),
-            &["logit_softcapping"],
+            Box::new(move |d| {
+                edit_config(d, &|c| {
+                    c["quantization_config"] = serde_json::json!({"bits": 4})
+                })
+            }),
+            &["quantization_config"],
+        ),
+        (
+            "broken chat template",
+            "qwen2_bias",
+            Box::new(|d| std::fs::write(d.join("chat_template.jinja"), "{% for %}").unwrap()),
+            &["chat_template.jinja", "does not parse"],
         ),
         (
             "missing shard",
@@ -300,7 +400,7 @@ fn bad_checkpoints_are_refused_by_name_and_leave_nothing() {
         ),
         (
             "mlp biases",
-            "diffllama_gqa",
+            "llama_gqa",
             Box::new(move |d| edit_config(d, &|c| c["mlp_bias"] = true.into())),
             &["mlp_bias"],
         ),
@@ -308,7 +408,7 @@ fn bad_checkpoints_are_refused_by_name_and_leave_nothing() {
             "head_dim",
             "diffllama_gqa",
             Box::new(move |d| edit_config(d, &|c| c["head_dim"] = 16.into())),
-            &["head_dim"],
+            &["q_proj.weight", "shape"],
         ),
         (
             "model_type",
@@ -518,6 +618,39 @@ fn exports_import_back_bitwise_and_shard_as_asked() {
             );
         }
     }
+    // With the real models' shapes: a biased baseline exports as Qwen2, a DIFF V2 with biases,
+    // wider heads and llama3 RoPE as our class; both import back bitwise, their recipes whole.
+    let real = [
+        ("micro-transformer", "Qwen2ForCausalLM"),
+        ("micro-diff-v2", "DiffzooV2ForCausalLM"),
+    ];
+    for (recipe, class) in real {
+        let run = tmp.path().join(format!("{recipe}-real"));
+        train(
+            recipe,
+            &[
+                "model.qkv_bias=true",
+                "model.head_dim=12",
+                "model.rope_scaling={type=\"linear\", factor=2.0}",
+            ],
+            &run,
+        );
+        let export = tmp.path().join(format!("{recipe}-real-hf"));
+        ok(&["export", "hf", path(&run), "--out", path(&export)]);
+        assert_eq!(json(&export.join("config.json"))["architectures"][0], class);
+        let back = tmp.path().join(format!("{recipe}-real-back"));
+        import(&export, &back);
+        assert!(
+            tensors(&back.join("model.safetensors")) == tensors(&run.join("model.safetensors")),
+            "{recipe}"
+        );
+        assert_nll_close(
+            recipe,
+            &nll(&back, &tokens, "flex"),
+            &nll(&run, &tokens, "flex"),
+            0.0,
+        );
+    }
     // Sharded: every file within the limit (or one tensor alone), the index naming each
     // tensor's file; the shards import back bitwise, and a bf16 export is the f32 one rounded.
     let (_, run) = &runs[2];
@@ -637,23 +770,27 @@ fn exports_load_in_transformers_and_score_alike() {
         ("diff", "DiffLlamaForCausalLM"),
         ("diff-v2", "DiffzooV2ForCausalLM"),
     ];
-    for ((kind, run), (_, class)) in trained_runs(tmp.path()).into_iter().zip(classes) {
-        let export = tmp.path().join(format!("{kind}-hf"));
-        ok(&["export", "hf", path(&run), "--out", path(&export)]);
+    let check = |export: &Path, tokens: &Path| -> Value {
         let out = std::process::Command::new(&python)
             .arg(&script)
-            .arg(&export)
-            .arg(&tokens)
+            .arg(export)
+            .arg(tokens)
             .env("HF_HUB_OFFLINE", "1")
             .output()
             .expect("python runs");
         assert!(
             out.status.success(),
-            "{kind}: {}",
+            "{}: {}",
+            export.display(),
             String::from_utf8_lossy(&out.stderr)
         );
         let stdout = String::from_utf8(out.stdout).unwrap();
-        let result: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+    };
+    for ((kind, run), (_, class)) in trained_runs(tmp.path()).into_iter().zip(classes) {
+        let export = tmp.path().join(format!("{kind}-hf"));
+        ok(&["export", "hf", path(&run), "--out", path(&export)]);
+        let result = check(&export, &tokens);
         assert_eq!(result["class"], class, "{kind}");
         assert_eq!(result["tokenizer"], true, "{kind}");
         assert_eq!(result["generated"].as_array().unwrap().len(), 4, "{kind}");
@@ -668,6 +805,51 @@ fn exports_load_in_transformers_and_score_alike() {
             );
         }
     }
+    // The real-model families, imported and exported again: each in its own class, scoring as
+    // transformers scored the source, its tokenizer (with its chat template) loading.
+    for (name, class, _) in FAMILIES {
+        let run = tmp.path().join(name);
+        import(&fixture(name), &run);
+        let export = tmp.path().join(format!("{name}-hf"));
+        ok(&["export", "hf", path(&run), "--out", path(&export)]);
+        let tokens = fixture(&format!("{name}.tokens.json"));
+        let result = check(&export, &tokens);
+        assert_eq!(result["class"], class, "{name}");
+        let with_tokenizer = fixture(name).join("tokenizer.json").exists();
+        assert_eq!(
+            result["tokenizer"],
+            if with_tokenizer {
+                Value::Bool(true)
+            } else {
+                Value::Null
+            },
+            "{name}"
+        );
+        let want = matrix(&json(&fixture(&format!("{name}.nll.json")))["nll"]);
+        assert_nll_close(name, &matrix(&result["nll"]), &want, NLL_TOLERANCE);
+    }
+    // A fine-tuned DIFF V2 with the real models' shapes (q/k/v biases, wider heads, llama3 RoPE)
+    // loads through its modeling file and scores alike.
+    let v2 = tmp.path().join("v2-real");
+    train(
+        "micro-diff-v2",
+        &[
+            "model.qkv_bias=true",
+            "model.head_dim=12",
+            "model.rope_scaling={type=\"llama3\", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8}",
+        ],
+        &v2,
+    );
+    let export = tmp.path().join("v2-real-hf");
+    ok(&["export", "hf", path(&v2), "--out", path(&export)]);
+    let result = check(&export, &tokens);
+    assert_eq!(result["class"], "DiffzooV2ForCausalLM");
+    assert_nll_close(
+        "diff-v2 with biases",
+        &nll(&v2, &tokens, "flex"),
+        &matrix(&result["nll"]),
+        NLL_TOLERANCE,
+    );
 }
 
 #[test]
@@ -763,4 +945,292 @@ fn f16_weights_and_a_stored_tied_head_import_exactly() {
         !imported.contains_key("lm_head.weight"),
         "the head stays tied"
     );
+}
+
+/// Conversations of a chat fixture as JSON lines `{"messages": [...]}`.
+fn conversations_file(name: &str, dir: &Path) -> (PathBuf, Value) {
+    let golden = json(&fixture(&format!("{name}.chat.json")));
+    let lines: Vec<String> = golden["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| serde_json::json!({ "messages": c }).to_string())
+        .collect();
+    let file = dir.join(format!("{name}.jsonl"));
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    (file, golden)
+}
+
+/// `generate --messages --json` of a run: each generation.
+fn chat_generations(run: &Path, messages: &Path, extra: &[&str]) -> Vec<Value> {
+    let mut args = vec![
+        "generate",
+        "--run",
+        path(run),
+        "--messages",
+        path(messages),
+        "--json",
+        "--temperature",
+        "0",
+    ];
+    args.extend(extra);
+    let out: Value = serde_json::from_str(&ok(&args)).expect("JSON output");
+    out["generations"].as_array().unwrap().clone()
+}
+
+/// The checkpoints' own chat templates (Llama 3's format in chat_template.jinja, ChatML in
+/// tokenizer_config.json) render multi-turn conversations with a system message to the very
+/// text and ids transformers' `apply_chat_template(..., add_generation_prompt=True)` gives.
+#[test]
+fn chat_templates_render_to_the_ids_transformers_gives() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["llama3_tied", "qwen2_bias"] {
+        let run = tmp.path().join(name);
+        import(&fixture(name), &run);
+        let (file, golden) = conversations_file(name, tmp.path());
+        let generations = chat_generations(&run, &file, &["--max-tokens", "1"]);
+        assert_eq!(generations.len(), 3, "{name}");
+        for (i, g) in generations.iter().enumerate() {
+            assert_eq!(
+                g["prompt"], golden["text"][i],
+                "{name}: conversation {i}'s text"
+            );
+            assert_eq!(
+                g["prompt_ids"], golden["ids"][i],
+                "{name}: conversation {i}'s ids"
+            );
+        }
+        // One conversation as a JSON list works too.
+        let one = tmp.path().join(format!("{name}-one.json"));
+        std::fs::write(&one, golden["conversations"][0].to_string()).unwrap();
+        let g = chat_generations(&run, &one, &["--max-tokens", "1"]);
+        assert_eq!(g[0]["prompt_ids"], golden["ids"][0], "{name}");
+    }
+    // A run without a template says so and names what it looked for; a template's own refusal
+    // (roles that do not alternate) names the template.
+    let plain = tmp.path().join("plain");
+    import(&fixture("diffllama_mha"), &plain);
+    let (file, _) = conversations_file("llama3_tied", tmp.path());
+    let err = fails(&["generate", "--run", path(&plain), "--messages", path(&file)]);
+    assert!(
+        err.contains("chat_template.jinja") && err.contains("tokenizer_config.json"),
+        "{err}"
+    );
+    let odd = tmp.path().join("odd.json");
+    std::fs::write(
+        &odd,
+        r#"[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]"#,
+    )
+    .unwrap();
+    let llama3 = tmp.path().join("llama3_tied");
+    let err = fails(&["generate", "--run", path(&llama3), "--messages", path(&odd)]);
+    assert!(
+        err.contains("roles must alternate") && err.contains("chat_template.jinja"),
+        "{err}"
+    );
+    let bad = tmp.path().join("bad.jsonl");
+    std::fs::write(
+        &bad,
+        "[{\"role\": \"user\", \"content\": \"a\"}]\n{\"messages\": 3}\n",
+    )
+    .unwrap();
+    let err = fails(&["generate", "--run", path(&llama3), "--messages", path(&bad)]);
+    assert!(err.contains("bad.jsonl:2"), "{err}");
+}
+
+/// `generate --chat` on a terminal (a pty, through util-linux's `script`): each line a user turn,
+/// the conversation kept, the KV cache reused; each answer is what `--messages` generates for the
+/// conversation so far computed afresh.
+#[test]
+fn a_chat_session_answers_as_the_whole_conversation_would() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("llama3");
+    import(&fixture("llama3_tied"), &run);
+    let options = ["--max-tokens", "4", "--ignore-eot"];
+    let command = format!(
+        "{} generate --run {} --chat --system 'Be brief.' --temperature 0 {}",
+        env!("CARGO_BIN_EXE_diffzoo"),
+        path(&run),
+        options.join(" ")
+    );
+    let mut child = std::process::Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("util-linux script runs");
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"What is DIFF?\nAnd lambda?\nThanks.\n\n").unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    let transcript = String::from_utf8_lossy(&out.stdout).replace('\r', "");
+    assert!(
+        out.status.success(),
+        "{transcript}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The same conversation, turn by turn, from scratch.
+    let mut conversation = vec![
+        serde_json::json!({"role": "system", "content": "Be brief."}),
+        serde_json::json!({"role": "user", "content": "What is DIFF?"}),
+    ];
+    let file = tmp.path().join("so-far.json");
+    let mut answers = Vec::new();
+    for next in ["And lambda?", "Thanks."] {
+        std::fs::write(&file, Value::Array(conversation.clone()).to_string()).unwrap();
+        let answer = chat_generations(&run, &file, &options)[0]["completion"].clone();
+        conversation.push(serde_json::json!({"role": "assistant", "content": answer}));
+        conversation.push(serde_json::json!({"role": "user", "content": next}));
+        answers.push(answer.as_str().unwrap().to_string());
+    }
+    std::fs::write(&file, Value::Array(conversation).to_string()).unwrap();
+    answers.push(
+        chat_generations(&run, &file, &options)[0]["completion"]
+            .as_str()
+            .unwrap()
+            .to_string(),
+    );
+    let mut rest = transcript.as_str();
+    for answer in &answers {
+        assert!(!answer.is_empty());
+        let at = rest
+            .find(answer.as_str())
+            .unwrap_or_else(|| panic!("{answer:?} not in {rest:?}"));
+        rest = &rest[at + answer.len()..];
+    }
+}
+
+/// An imported instruct model fine-tuned (the `sft` recipe) on a few conversations answers
+/// them; the data's bad lines are skipped by file and line.
+#[test]
+fn an_imported_model_fine_tunes_on_conversations_until_it_answers_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("qwen");
+    import(&fixture("qwen2_bias"), &run);
+    let facts = [
+        ("Capital of France?", "Paris"),
+        ("Capital of Italy?", "Rome"),
+        ("Two plus two?", "Four"),
+        ("Colour of the sky?", "Blue"),
+    ];
+    let train: Vec<String> = facts
+        .iter()
+        .enumerate()
+        .map(|(i, (q, a))| match i % 2 {
+            0 => serde_json::json!({"messages": [
+                {"role": "system", "content": "Answer in one word."},
+                {"role": "user", "content": q},
+                {"role": "assistant", "content": a},
+            ]}),
+            _ => serde_json::json!({"prompt": q, "completion": a}),
+        })
+        .map(|v| v.to_string())
+        .chain([
+            "{\"text\": \"no messages here\"}".to_string(),
+            serde_json::json!({"messages": [{"role": "robot", "content": "beep"}]}).to_string(),
+        ])
+        .collect();
+    let data = tmp.path().join("train.jsonl");
+    std::fs::write(&data, train.join("\n") + "\n").unwrap();
+    let held = tmp.path().join("held.jsonl");
+    std::fs::write(
+        &held,
+        [("Capital of Spain?", "Madrid"), ("Three plus one?", "Four")]
+            .iter()
+            .map(|(q, a)| serde_json::json!({"prompt": q, "completion": a}).to_string())
+            .collect::<Vec<_>>()
+            .join("\n"),
+    )
+    .unwrap();
+    let shards = tmp.path().join("shards");
+    let stdout = ok(&[
+        "data",
+        "prepare",
+        "--input",
+        path(&data),
+        "--validation-input",
+        path(&held),
+        "--template",
+        path(&run),
+        "--out",
+        path(&shards),
+    ]);
+    assert!(
+        stdout.contains("4 conversations") && stdout.contains("scored"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("train.jsonl:5") && stdout.contains("train.jsonl:6"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("robot"), "{stdout}");
+    let manifest = json(&shards.join("manifest.json"));
+    assert_eq!(manifest["validation"]["documents"], 2);
+    assert!(
+        shards.join("tokenizer_config.json").exists(),
+        "the template goes with the data"
+    );
+    let tuned = tmp.path().join("tuned");
+    let stdout = ok(&[
+        "train",
+        "--recipe",
+        "sft",
+        "--no-dashboard",
+        "--set",
+        &format!("training.init_from=\"{}\"", path(&run)),
+        "--set",
+        &format!("data.corpus=\"{}\"", path(&shards)),
+        "--set",
+        "data.seq_len=128",
+        "--set",
+        "training.steps=60",
+        "--set",
+        "training.batch_tokens=512",
+        "--set",
+        "training.micro_batch=2",
+        "--set",
+        "optimizer.lr=3e-3",
+        "--set",
+        "schedule.warmup_steps=5",
+        "--set",
+        "schedule.min_lr=3e-4",
+        "--set",
+        "checkpoint.interval=60",
+        "--set",
+        "checkpoint.eval_batches=1",
+        "--out",
+        path(&tuned),
+    ]);
+    assert!(stdout.contains("initialised from"), "{stdout}");
+    assert!(
+        tuned.join("chat_template.jinja").exists() || tuned.join("tokenizer_config.json").exists()
+    );
+    let questions = tmp.path().join("questions.jsonl");
+    std::fs::write(
+        &questions,
+        facts
+            .iter()
+            .enumerate()
+            .map(|(i, (q, _))| {
+                let mut turns = vec![serde_json::json!({"role": "user", "content": q})];
+                if i % 2 == 0 {
+                    turns.insert(
+                        0,
+                        serde_json::json!({"role": "system", "content": "Answer in one word."}),
+                    );
+                }
+                Value::Array(turns).to_string()
+            })
+            .collect::<Vec<_>>()
+            .join("\n"),
+    )
+    .unwrap();
+    let generations = chat_generations(&tuned, &questions, &["--max-tokens", "8"]);
+    for ((_, answer), g) in facts.iter().zip(&generations) {
+        assert_eq!(g["completion"], *answer, "{g}");
+        assert_eq!(g["stopped"], "end-of-text", "the end of turn ends it: {g}");
+    }
 }

@@ -343,6 +343,106 @@ impl Documents {
     }
 }
 
+/// One object of a JSON-lines file, with where it is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    pub file: PathBuf,
+    /// 1-based.
+    pub line: usize,
+    pub value: serde_json::Value,
+}
+
+/// The objects of JSON-lines files (`.jsonl`, `.jsonl.gz`) one by one, for inputs whose
+/// documents are structured (conversations). Lines that are not UTF-8 or not JSON objects are
+/// skips, like [`Documents`]'; any other file type is an error naming it.
+pub struct Records {
+    files: std::vec::IntoIter<InputFile>,
+    current: Option<(PathBuf, Box<dyn BufRead + Send>, usize)>,
+    skips: Vec<Skip>,
+}
+
+impl Records {
+    pub fn new(files: Vec<InputFile>) -> Result<Self> {
+        if let Some(other) = files.iter().find(|f| f.format != Format::JsonLines) {
+            return Err(DataError::Input {
+                path: other.path.clone(),
+                reason: "structured records are read from .jsonl or .jsonl.gz files only".into(),
+            });
+        }
+        Ok(Self {
+            files: files.into_iter(),
+            current: None,
+            skips: Vec::new(),
+        })
+    }
+
+    /// What was left out so far.
+    pub fn skipped(&self) -> &[Skip] {
+        &self.skips
+    }
+}
+
+impl Iterator for Records {
+    type Item = Result<Record>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            let Some((path, reader, line)) = self.current.as_mut() else {
+                let file = self.files.next()?;
+                let handle = match File::open(&file.path) {
+                    Ok(h) => h,
+                    Err(e) => return Some(Err(DataError::io(&file.path)(e))),
+                };
+                let reader: Box<dyn BufRead + Send> = if file.gzip {
+                    Box::new(BufReader::new(MultiGzDecoder::new(handle)))
+                } else {
+                    Box::new(BufReader::new(handle))
+                };
+                self.current = Some((file.path, reader, 0));
+                continue;
+            };
+            let mut bytes = Vec::new();
+            match reader.read_until(b'\n', &mut bytes) {
+                Ok(0) => {
+                    self.current = None;
+                    continue;
+                }
+                Ok(_) => *line += 1,
+                Err(e) => {
+                    let path = path.clone();
+                    self.current = None;
+                    return Some(Err(read_error(&path, e)));
+                }
+            }
+            let (path, line) = (path.clone(), *line);
+            let skip = |reason: String| Skip {
+                file: path.display().to_string(),
+                line: Some(line),
+                row: None,
+                reason,
+            };
+            let Ok(text) = std::str::from_utf8(&bytes) else {
+                self.skips.push(skip("invalid UTF-8".into()));
+                continue;
+            };
+            if text.trim().is_empty() {
+                continue;
+            }
+            match serde_json::from_str::<serde_json::Value>(text) {
+                Ok(value) if value.is_object() => {
+                    return Some(Ok(Record {
+                        file: path,
+                        line,
+                        value,
+                    }));
+                }
+                Ok(_) => self.skips.push(skip("not a JSON object".into())),
+                Err(e) => self.skips.push(skip(format!("malformed JSON: {e}"))),
+            }
+        }
+    }
+}
+
 /// A read error; for gzip input usually a corrupt or truncated file.
 fn read_error(path: &Path, e: std::io::Error) -> DataError {
     DataError::Input {

@@ -3,6 +3,12 @@
 //! `validation`, described by `manifest.json`. Readers memory-map the shards, so memory use does
 //! not grow with the corpus.
 //!
+//! Conversation shards ([`prepare_conversations`], instruction data for fine-tuning) hold one
+//! rendered conversation after another, no separator, and beside each shard a `.flags` file of
+//! one byte per token: [`FLAG_SCORED`] when the loss scores the token as a target (the
+//! assistant's), [`FLAG_START`] on each conversation's first token. Training reads one
+//! conversation per window ([`Conversations`]).
+//!
 //! `prepare` writes into `<out>.partial-<pid>` and renames it into place at the end, so an
 //! interrupted run never leaves a torn output directory (rerun it to restart).
 
@@ -130,6 +136,9 @@ pub struct ShardInfo {
     pub file: String,
     pub tokens: u64,
     pub sha256: String,
+    /// Conversation shards: the SHA-256 of the `.flags` file beside it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flags_sha256: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -137,6 +146,33 @@ pub struct SplitInfo {
     pub tokens: u64,
     pub documents: u64,
     pub shards: Vec<ShardInfo>,
+    /// Conversation shards: the tokens the loss scores.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scored_tokens: Option<u64>,
+}
+
+/// A conversation shard's flag byte: the loss scores this token as a target.
+pub const FLAG_SCORED: u8 = 1;
+/// A conversation shard's flag byte: a conversation starts at this token.
+pub const FLAG_START: u8 = 2;
+
+/// What a directory of conversation shards holds beyond tokens.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConversationInfo {
+    /// Where the chat template came from.
+    pub template: String,
+    /// Tokens of the longest conversation: training needs `data.seq_len` ≥ this − 1.
+    pub longest: u64,
+}
+
+/// One rendered conversation to store: its text (which the validation split is chosen by), its
+/// ids, and which of them the loss scores as targets.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scored {
+    pub text: String,
+    pub ids: Vec<u32>,
+    pub scored: Vec<bool>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -161,6 +197,9 @@ pub struct Manifest {
     pub split_rule: SplitRule,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub part: Option<PartInfo>,
+    /// Set for conversation shards.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conversations: Option<ConversationInfo>,
     pub input_bytes: u64,
     pub train: SplitInfo,
     pub validation: SplitInfo,
@@ -211,77 +250,140 @@ impl PrepareOptions {
     }
 }
 
+/// One file being written, hashed as it goes.
+struct HashedFile {
+    path: PathBuf,
+    writer: BufWriter<File>,
+    hasher: Sha256,
+}
+
+impl HashedFile {
+    fn create(path: PathBuf) -> Result<Self> {
+        let handle = File::create(&path).map_err(DataError::io(&path))?;
+        Ok(Self {
+            path,
+            writer: BufWriter::with_capacity(1 << 20, handle),
+            hasher: Sha256::new(),
+        })
+    }
+
+    fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        self.hasher.update(bytes);
+        self.writer
+            .write_all(bytes)
+            .map_err(DataError::io(&self.path))
+    }
+
+    /// Synced to disk; its SHA-256.
+    fn finish(self) -> Result<String> {
+        let path = self.path;
+        self.writer
+            .into_inner()
+            .map_err(|e| DataError::io(&path)(e.into_error()))?
+            .sync_all()
+            .map_err(DataError::io(&path))?;
+        Ok(format!("{:x}", self.hasher.finalize()))
+    }
+}
+
+/// The open shard: its tokens, its flags (conversation shards) and how many tokens so far.
+struct OpenShard {
+    tokens: HashedFile,
+    flags: Option<HashedFile>,
+    count: u64,
+}
+
 /// Writes one split's shards, hashing as it goes.
 struct ShardWriter {
     dir: PathBuf,
     split: Split,
     dtype: TokenDtype,
     shard_tokens: u64,
-    current: Option<(BufWriter<File>, Sha256, u64)>,
+    /// Whether shards get `.flags` files (conversation shards).
+    flagged: bool,
+    current: Option<OpenShard>,
     info: SplitInfo,
 }
 
 impl ShardWriter {
-    fn new(dir: &Path, split: Split, dtype: TokenDtype, shard_tokens: u64) -> Self {
+    fn new(dir: &Path, split: Split, dtype: TokenDtype, shard_tokens: u64, flagged: bool) -> Self {
         Self {
             dir: dir.to_path_buf(),
             split,
             dtype,
             shard_tokens,
+            flagged,
             current: None,
-            info: SplitInfo::default(),
+            info: SplitInfo {
+                scored_tokens: flagged.then_some(0),
+                ..SplitInfo::default()
+            },
         }
     }
 
     fn document(&mut self, ids: &[u32], eot: u32) -> Result<()> {
         for &id in ids.iter().chain(std::iter::once(&eot)) {
-            self.token(id)?;
+            self.token(id, None)?;
         }
         self.info.documents += 1;
         Ok(())
     }
 
-    fn token(&mut self, id: u32) -> Result<()> {
+    /// A conversation's tokens with their flags (no separator: the flags mark where it starts).
+    fn conversation(&mut self, ids: &[u32], scored: &[bool]) -> Result<()> {
+        for (i, (&id, &scored)) in ids.iter().zip(scored).enumerate() {
+            let flags = (scored as u8 * FLAG_SCORED) | ((i == 0) as u8 * FLAG_START);
+            self.token(id, Some(flags))?;
+        }
+        self.info.documents += 1;
+        *self.info.scored_tokens.get_or_insert(0) += scored.iter().filter(|&&s| s).count() as u64;
+        Ok(())
+    }
+
+    fn token(&mut self, id: u32, flags: Option<u8>) -> Result<()> {
         if self.current.is_none() {
             let file = format!("{}-{:05}.bin", self.split.name(), self.info.shards.len());
-            let path = self.dir.join(&file);
-            let handle = File::create(&path).map_err(DataError::io(&path))?;
+            let tokens = HashedFile::create(self.dir.join(&file))?;
+            let flags = match self.flagged {
+                true => Some(HashedFile::create(
+                    self.dir.join(&file).with_extension("flags"),
+                )?),
+                false => None,
+            };
             self.info.shards.push(ShardInfo {
                 file,
                 tokens: 0,
                 sha256: String::new(),
+                flags_sha256: None,
             });
-            self.current = Some((BufWriter::with_capacity(1 << 20, handle), Sha256::new(), 0));
+            self.current = Some(OpenShard {
+                tokens,
+                flags,
+                count: 0,
+            });
         }
-        let (writer, hasher, count) = self.current.as_mut().expect("shard is open");
-        let bytes = match self.dtype {
-            TokenDtype::U16 => (id as u16).to_le_bytes().to_vec(),
-            TokenDtype::U32 => id.to_le_bytes().to_vec(),
-        };
-        hasher.update(&bytes);
-        let path = self
-            .dir
-            .join(&self.info.shards.last().expect("open shard").file);
-        writer.write_all(&bytes).map_err(DataError::io(&path))?;
-        *count += 1;
+        let shard = self.current.as_mut().expect("shard is open");
+        match self.dtype {
+            TokenDtype::U16 => shard.tokens.write(&(id as u16).to_le_bytes())?,
+            TokenDtype::U32 => shard.tokens.write(&id.to_le_bytes())?,
+        }
+        if let (Some(file), Some(flags)) = (shard.flags.as_mut(), flags) {
+            file.write(&[flags])?;
+        }
+        shard.count += 1;
         self.info.tokens += 1;
-        if *count == self.shard_tokens {
+        if shard.count == self.shard_tokens {
             self.close()?;
         }
         Ok(())
     }
 
     fn close(&mut self) -> Result<()> {
-        if let Some((writer, hasher, count)) = self.current.take() {
+        if let Some(open) = self.current.take() {
             let shard = self.info.shards.last_mut().expect("open shard");
-            let path = self.dir.join(&shard.file);
-            writer
-                .into_inner()
-                .map_err(|e| DataError::io(&path)(e.into_error()))?
-                .sync_all()
-                .map_err(DataError::io(&path))?;
-            shard.tokens = count;
-            shard.sha256 = format!("{:x}", hasher.finalize());
+            shard.tokens = open.count;
+            shard.sha256 = open.tokens.finish()?;
+            shard.flags_sha256 = open.flags.map(HashedFile::finish).transpose()?;
         }
         Ok(())
     }
@@ -296,30 +398,16 @@ pub fn prepare(
     options: &PrepareOptions,
     mut skipped: Vec<Skip>,
 ) -> Result<Manifest> {
-    let out = &options.out;
-    if out.exists() && !options.overwrite {
-        return Err(DataError::shards(
-            out,
-            "already exists (pass --overwrite to replace it)",
-        ));
-    }
-    let vocab = tokenizer.vocab_size();
-    // Ids, not tokens, must fit: a tokenizer's ids may have gaps (tiktoken's special tokens).
-    let bound = tokenizer.id_bound();
-    let dtype = options.dtype.unwrap_or(TokenDtype::for_vocab(bound));
-    if dtype == TokenDtype::U16 && bound > 1 << 16 {
-        return Err(DataError::Invalid(format!(
-            "a tokenizer with ids up to {} does not fit u16 shards (at most 65535): use u32",
-            bound - 1
-        )));
-    }
-    let partial = partial_dir(out);
-    if partial.exists() {
-        std::fs::remove_dir_all(&partial).map_err(DataError::io(&partial))?;
-    }
-    std::fs::create_dir_all(&partial).map_err(DataError::io(&partial))?;
-    let mut writers = [Split::Train, Split::Validation]
-        .map(|split| ShardWriter::new(&partial, split, dtype, options.shard_tokens));
+    let output = start(tokenizer, options)?;
+    let mut writers = [Split::Train, Split::Validation].map(|split| {
+        ShardWriter::new(
+            &output.partial,
+            split,
+            output.dtype,
+            options.shard_tokens,
+            false,
+        )
+    });
     let bar = progress_bar(options.progress);
     let started = Instant::now();
     let (mut index, mut text_bytes, mut tokens) = (0usize, 0u64, 0u64);
@@ -365,13 +453,70 @@ pub fn prepare(
         ));
     }
     bar.finish_and_clear();
+    skipped.extend(documents.skipped());
+    let input_bytes = documents.bytes_read();
+    publish(
+        writers,
+        tokenizer,
+        options,
+        output,
+        input_bytes,
+        skipped,
+        None,
+    )
+}
+
+/// Where a preparation writes: its token storage type, and the partial directory it fills.
+struct Started {
+    dtype: TokenDtype,
+    partial: PathBuf,
+}
+
+/// Checks the options against the tokenizer: the token storage type, and that `out` may be
+/// written; the partial directory to write into, made empty.
+fn start(tokenizer: &TextTokenizer, options: &PrepareOptions) -> Result<Started> {
+    let out = &options.out;
+    if out.exists() && !options.overwrite {
+        return Err(DataError::shards(
+            out,
+            "already exists (pass --overwrite to replace it)",
+        ));
+    }
+    // Ids, not tokens, must fit: a tokenizer's ids may have gaps (tiktoken's special tokens).
+    let bound = tokenizer.id_bound();
+    let dtype = options.dtype.unwrap_or(TokenDtype::for_vocab(bound));
+    if dtype == TokenDtype::U16 && bound > 1 << 16 {
+        return Err(DataError::Invalid(format!(
+            "a tokenizer with ids up to {} does not fit u16 shards (at most 65535): use u32",
+            bound - 1
+        )));
+    }
+    let partial = partial_dir(out);
+    if partial.exists() {
+        std::fs::remove_dir_all(&partial).map_err(DataError::io(&partial))?;
+    }
+    std::fs::create_dir_all(&partial).map_err(DataError::io(&partial))?;
+    Ok(Started { dtype, partial })
+}
+
+/// Closes the writers, writes the manifest and the tokenizer into `partial` and renames it to
+/// `options.out`; refuses (removing `partial`) a preparation that wrote no training tokens.
+fn publish(
+    mut writers: [ShardWriter; 2],
+    tokenizer: &TextTokenizer,
+    options: &PrepareOptions,
+    Started { dtype, partial }: Started,
+    input_bytes: u64,
+    skipped: Vec<Skip>,
+    conversations: Option<ConversationInfo>,
+) -> Result<Manifest> {
+    let (out, partial) = (&options.out, partial.as_path());
     for writer in &mut writers {
         writer.close()?;
     }
     let [train, validation] = writers.map(|w| w.info);
-    skipped.extend(documents.skipped());
     if train.tokens == 0 && options.part.is_none() {
-        std::fs::remove_dir_all(&partial).map_err(DataError::io(&partial))?;
+        std::fs::remove_dir_all(partial).map_err(DataError::io(partial))?;
         return Err(DataError::Invalid(format!(
             "the input holds no usable text ({} skipped: {})",
             skipped.len(),
@@ -386,14 +531,15 @@ pub fn prepare(
         version: VERSION,
         tokenizer: TokenizerInfo {
             hash: tokenizer.hash().into(),
-            vocab_size: vocab,
+            vocab_size: tokenizer.vocab_size(),
             eot_id: tokenizer.eot_id(),
         },
         dtype,
         validation_every: options.validation_every,
         split_rule: options.split_rule,
         part: options.part.clone(),
-        input_bytes: documents.bytes_read(),
+        conversations,
+        input_bytes,
         train,
         validation,
         skipped,
@@ -403,7 +549,7 @@ pub fn prepare(
     crate::tokenizer::write_atomically(&partial.join(MANIFEST), json.as_bytes())?;
     if out.exists() {
         if !options.overwrite {
-            std::fs::remove_dir_all(&partial).map_err(DataError::io(&partial))?;
+            std::fs::remove_dir_all(partial).map_err(DataError::io(partial))?;
             return Err(DataError::shards(
                 out,
                 "appeared while preparing; left it as it is",
@@ -411,8 +557,55 @@ pub fn prepare(
         }
         std::fs::remove_dir_all(out).map_err(DataError::io(out))?;
     }
-    std::fs::rename(&partial, out).map_err(DataError::io(out))?;
+    std::fs::rename(partial, out).map_err(DataError::io(out))?;
     Ok(manifest)
+}
+
+/// Writes rendered conversations (see the module documentation) into shards under
+/// `options.out`, each to its given split, else to the one its text's hash chooses; `template`
+/// is recorded as where the chat template came from. `skipped` lists what rendering left out.
+pub fn prepare_conversations(
+    conversations: impl Iterator<Item = (Option<Split>, Scored)>,
+    tokenizer: &TextTokenizer,
+    options: &PrepareOptions,
+    template: &str,
+    input_bytes: u64,
+    skipped: Vec<Skip>,
+) -> Result<Manifest> {
+    let output = start(tokenizer, options)?;
+    let mut writers = [Split::Train, Split::Validation].map(|split| {
+        ShardWriter::new(
+            &output.partial,
+            split,
+            output.dtype,
+            options.shard_tokens,
+            true,
+        )
+    });
+    let mut longest = 0;
+    for (index, (given, c)) in conversations.enumerate() {
+        assert_eq!(c.ids.len(), c.scored.len(), "one flag per token");
+        let split = given.unwrap_or_else(|| {
+            options
+                .split_rule
+                .split(index, &c.text, options.validation_every)
+        });
+        writers[split as usize].conversation(&c.ids, &c.scored)?;
+        longest = longest.max(c.ids.len() as u64);
+    }
+    let info = ConversationInfo {
+        template: template.into(),
+        longest,
+    };
+    publish(
+        writers,
+        tokenizer,
+        options,
+        output,
+        input_bytes,
+        skipped,
+        Some(info),
+    )
 }
 
 /// A work directory beside `out`, unique to this process and call.
@@ -502,6 +695,18 @@ impl Shards {
                     format!("{len} bytes, the manifest says {expected}"),
                 ));
             }
+            if manifest.conversations.is_some() {
+                let flags = flags_file(&file);
+                let len = std::fs::metadata(&flags)
+                    .map_err(DataError::io(&flags))?
+                    .len();
+                if len != shard.tokens {
+                    return Err(DataError::shards(
+                        &flags,
+                        format!("{len} bytes, one per token of {} expected", shard.tokens),
+                    ));
+                }
+            }
         }
         Ok(Self {
             dir: dir.to_path_buf(),
@@ -521,18 +726,23 @@ impl Shards {
             .chain(&self.manifest.validation.shards)
         {
             let path = self.dir.join(&shard.file);
-            let mut file = File::open(&path).map_err(DataError::io(&path))?;
-            let mut hasher = Sha256::new();
-            bytes += std::io::copy(&mut file, &mut hasher).map_err(DataError::io(&path))?;
-            let sha256 = format!("{:x}", hasher.finalize());
-            if sha256 != shard.sha256 {
-                return Err(DataError::shards(
-                    &path,
-                    format!(
-                        "SHA-256 {sha256}, the manifest says {}: the shard is corrupted",
-                        shard.sha256
-                    ),
-                ));
+            let flags = shard
+                .flags_sha256
+                .as_ref()
+                .map(|sha| (flags_file(&path), sha));
+            for (path, want) in std::iter::once((path.clone(), &shard.sha256)).chain(flags) {
+                let mut file = File::open(&path).map_err(DataError::io(&path))?;
+                let mut hasher = Sha256::new();
+                bytes += std::io::copy(&mut file, &mut hasher).map_err(DataError::io(&path))?;
+                let sha256 = format!("{:x}", hasher.finalize());
+                if sha256 != *want {
+                    return Err(DataError::shards(
+                        &path,
+                        format!(
+                            "SHA-256 {sha256}, the manifest says {want}: the shard is corrupted"
+                        ),
+                    ));
+                }
             }
             shards += 1;
         }
@@ -562,15 +772,34 @@ impl Shards {
 
     /// The tokens of one split as one memory-mapped stream.
     pub fn tokens(&self, split: Split) -> Result<TokenStream> {
+        self.stream(split, self.manifest.dtype.bytes(), |path| path)
+    }
+
+    /// Conversation shards: the flag bytes of one split's tokens ([`FLAG_SCORED`],
+    /// [`FLAG_START`]) as one stream; `None` for plain shards.
+    pub fn flags(&self, split: Split) -> Result<Option<TokenStream>> {
+        match self.manifest.conversations {
+            Some(_) => self.stream(split, 1, |path| flags_file(&path)).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// One split's files (`file` of each shard's path) as one stream of `width`-byte values.
+    fn stream(
+        &self,
+        split: Split,
+        width: usize,
+        file: impl Fn(PathBuf) -> PathBuf,
+    ) -> Result<TokenStream> {
         let info = self.manifest.split(split);
         let mut maps = Vec::with_capacity(info.shards.len());
         let mut starts = Vec::with_capacity(info.shards.len());
         let mut total = 0;
         for shard in &info.shards {
-            let path = self.dir.join(&shard.file);
-            let file = File::open(&path).map_err(DataError::io(&path))?;
+            let path = file(self.dir.join(&shard.file));
+            let handle = File::open(&path).map_err(DataError::io(&path))?;
             // SAFETY: shards are written once, renamed into place and never modified.
-            let map = unsafe { Mmap::map(&file) }.map_err(DataError::io(&path))?;
+            let map = unsafe { Mmap::map(&handle) }.map_err(DataError::io(&path))?;
             starts.push(total);
             total += shard.tokens;
             maps.push(map);
@@ -579,17 +808,23 @@ impl Shards {
             maps,
             starts,
             len: total,
-            dtype: self.manifest.dtype,
+            width,
         })
     }
 }
 
-/// A split's shards seen as one array of tokens.
+/// The `.flags` file beside a conversation shard.
+fn flags_file(shard: &Path) -> PathBuf {
+    shard.with_extension("flags")
+}
+
+/// A split's shards seen as one array of tokens (or of a conversation shard's flag bytes).
 pub struct TokenStream {
     maps: Vec<Mmap>,
     starts: Vec<u64>,
     len: u64,
-    dtype: TokenDtype,
+    /// Bytes per value: 1 (flags), 2 or 4 (tokens).
+    width: usize,
 }
 
 impl TokenStream {
@@ -612,21 +847,13 @@ impl TokenStream {
         let mut pos = start;
         while out.len() < count {
             let offset = (pos - self.starts[shard]) as usize;
-            let bytes = &self.maps[shard][offset * self.dtype.bytes()..];
-            let take = (count - out.len()).min(bytes.len() / self.dtype.bytes());
-            match self.dtype {
-                TokenDtype::U16 => out.extend(
-                    bytes
-                        .chunks_exact(2)
-                        .take(take)
-                        .map(|b| u16::from_le_bytes([b[0], b[1]]) as u32),
-                ),
-                TokenDtype::U32 => out.extend(
-                    bytes
-                        .chunks_exact(4)
-                        .take(take)
-                        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-                ),
+            let bytes = &self.maps[shard][offset * self.width..];
+            let take = (count - out.len()).min(bytes.len() / self.width);
+            let values = bytes.chunks_exact(self.width).take(take);
+            match self.width {
+                1 => out.extend(values.map(|b| b[0] as u32)),
+                2 => out.extend(values.map(|b| u16::from_le_bytes([b[0], b[1]]) as u32)),
+                _ => out.extend(values.map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))),
             }
             pos += take as u64;
             shard += 1;

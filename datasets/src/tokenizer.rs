@@ -16,6 +16,9 @@ pub const EOT: &str = "<|endoftext|>";
 /// End-of-text tokens looked for in a user's tokenizer, in this order.
 pub const EOT_CANDIDATES: [&str; 5] = [EOT, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>"];
 
+/// Where a token lies in the text it was encoded from: its byte range.
+pub type Offsets = (usize, usize);
+
 /// A tokenizer with its end-of-text id and identity hash.
 #[derive(Clone)]
 pub struct TextTokenizer {
@@ -120,6 +123,19 @@ impl TextTokenizer {
             .encode_fast(text, false)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| DataError::Invalid(format!("tokenization failed: {e}")))
+    }
+
+    /// The ids of `text` and each one's byte range in it.
+    pub fn encode_with_offsets(&self, text: &str) -> Result<(Vec<u32>, Vec<Offsets>)> {
+        self.inner
+            .encode(text, false)
+            .map(|e| (e.get_ids().to_vec(), e.get_offsets().to_vec()))
+            .map_err(|e| DataError::Invalid(format!("tokenization failed: {e}")))
+    }
+
+    /// The id of token `token`, if the vocabulary has it.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {

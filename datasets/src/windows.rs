@@ -3,41 +3,121 @@
 //! known without replaying steps `0..k` (exact resume), and that costs no memory per sample.
 
 use crate::rng::splitmix;
-use crate::shards::TokenStream;
+use crate::shards::{FLAG_SCORED, FLAG_START, TokenStream};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use std::sync::Arc;
 
-/// Non-overlapping windows: window `i` is tokens `i·seq_len ..= (i+1)·seq_len` (inputs and
-/// the shifted targets share `seq_len − 1` tokens; consecutive windows share one).
+/// Training windows of `seq_len + 1` tokens over a token stream.
+///
+/// Plain shards: non-overlapping windows, window `i` is tokens `i·seq_len ..= (i+1)·seq_len`
+/// (inputs and the shifted targets share `seq_len − 1` tokens; consecutive windows share one).
+///
+/// Conversation shards ([`TokenWindows::conversations`]): window `i` is conversation `i` alone
+/// — no packing, so that no conversation attends to another — padded after its end with token
+/// 0, which is never scored (causal attention keeps the padding out of every real position's
+/// output), and the loss scores the targets its flags mark.
 pub struct TokenWindows {
     tokens: TokenStream,
     seq_len: usize,
+    /// Conversation shards: the flag bytes and where each conversation starts.
+    conversations: Option<(TokenStream, Vec<u64>)>,
 }
 
 impl TokenWindows {
     pub fn new(tokens: TokenStream, seq_len: usize) -> Self {
         assert!(seq_len > 0, "sequence length must be positive");
-        Self { tokens, seq_len }
+        Self {
+            tokens,
+            seq_len,
+            conversations: None,
+        }
+    }
+
+    /// One window per conversation of a conversation shard's `tokens` and `flags` (see
+    /// [`crate::shards::FLAG_START`]); a conversation longer than `seq_len + 1` tokens is cut.
+    pub fn conversations(tokens: TokenStream, flags: TokenStream, seq_len: usize) -> Self {
+        assert!(seq_len > 0, "sequence length must be positive");
+        assert_eq!(tokens.len(), flags.len(), "a flag per token");
+        let mut starts = Vec::new();
+        const CHUNK: usize = 1 << 20;
+        let mut at = 0;
+        while at < flags.len() {
+            let n = CHUNK.min((flags.len() - at) as usize);
+            starts.extend(
+                flags
+                    .read(at, n)
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, f)| **f as u8 & FLAG_START != 0)
+                    .map(|(i, _)| at + i as u64),
+            );
+            at += n as u64;
+        }
+        Self {
+            tokens,
+            seq_len,
+            conversations: Some((flags, starts)),
+        }
     }
 
     pub fn seq_len(&self) -> usize {
         self.seq_len
     }
 
-    /// Number of complete windows.
+    /// Whether windows are conversations (each with its own scored targets).
+    pub fn is_conversations(&self) -> bool {
+        self.conversations.is_some()
+    }
+
+    /// Number of complete windows (conversations).
     pub fn len(&self) -> u64 {
-        self.tokens.len().saturating_sub(1) / self.seq_len as u64
+        match &self.conversations {
+            Some((_, starts)) => starts.len() as u64,
+            None => self.tokens.len().saturating_sub(1) / self.seq_len as u64,
+        }
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// Where conversation `i` lies in the stream, cut to one window.
+    fn span(&self, starts: &[u64], i: u64) -> (u64, usize) {
+        let start = starts[i as usize];
+        let end = starts
+            .get(i as usize + 1)
+            .copied()
+            .unwrap_or(self.tokens.len());
+        (start, ((end - start) as usize).min(self.seq_len + 1))
+    }
+
     /// The `seq_len + 1` tokens of window `i`.
     pub fn window(&self, i: u64) -> Vec<u32> {
-        self.tokens.read(i * self.seq_len as u64, self.seq_len + 1)
+        match &self.conversations {
+            Some((_, starts)) => {
+                let (start, len) = self.span(starts, i);
+                let mut tokens = self.tokens.read(start, len);
+                tokens.resize(self.seq_len + 1, 0);
+                tokens
+            }
+            None => self.tokens.read(i * self.seq_len as u64, self.seq_len + 1),
+        }
+    }
+
+    /// Which of window `i`'s `seq_len` targets the loss scores; `None`: all (plain shards).
+    pub fn scored(&self, i: u64) -> Option<Vec<bool>> {
+        let (flags, starts) = self.conversations.as_ref()?;
+        let (start, len) = self.span(starts, i);
+        let mut scored: Vec<bool> = flags
+            .read(start, len)
+            .iter()
+            .skip(1)
+            .map(|f| *f as u8 & FLAG_SCORED != 0)
+            .collect();
+        scored.resize(self.seq_len, false);
+        Some(scored)
     }
 }
 

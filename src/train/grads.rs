@@ -167,6 +167,34 @@ mod tests {
         assert_eq!(scored, changed);
     }
 
+    /// An unscored target gets no gradient: changing it leaves every parameter's gradient as
+    /// it was, while changing a scored one does not.
+    #[test]
+    fn unscored_targets_get_no_gradient() {
+        let device = Device::flex().autodiff();
+        let model = model(&device);
+        let flags = [Some(vec![false, true, false, true])];
+        // The inputs stay [1, 2, 3, 4]; only the targets change.
+        let grads = |targets: [i64; 4]| {
+            let mut micro = batch(&[[1, 2, 3, 4, 5]], &device);
+            micro.targets =
+                Tensor::<2, Int>::from_data(TensorData::new(targets.to_vec(), [1, 4]), &device);
+            let loss = lm_loss(&model, &micro.scoring(&flags));
+            all(
+                &model,
+                &mut GradientsParams::from_grads(loss.backward(), &model),
+            )
+        };
+        let base = grads([2, 3, 4, 5]);
+        // Targets 0 and 2 are not scored.
+        assert_eq!(grads([9, 3, 11, 5]), base);
+        assert_ne!(
+            grads([2, 3, 4, 6]),
+            base,
+            "a scored target moves the gradients"
+        );
+    }
+
     /// With scored targets too, micro-batches of equal size averaged equal one large batch.
     #[test]
     fn scored_micro_batches_average_to_one_large_batch() {

@@ -176,7 +176,10 @@ impl StepLoader {
                 let scored = mix.answers_only.then(|| doc.answer_targets());
                 (doc.tokens, scored)
             }
-            _ => (self.windows.window(self.order.sample(position)), None),
+            _ => {
+                let i = self.order.sample(position);
+                (self.windows.window(i), self.windows.scored(i))
+            }
         }
     }
 
@@ -211,9 +214,23 @@ impl StepLoader {
         let micro = samples
             .chunks(self.micro_batch)
             .map(|chunk| {
-                let windows = chunk.iter().map(|(w, _)| w.clone()).collect();
+                // Conversations are cut after the last target any of them scores: what follows
+                // is padding, or text whose loss is not counted and which nothing before it
+                // attends to.
+                let len = match self.windows.is_conversations() {
+                    true => chunk
+                        .iter()
+                        .filter_map(|(_, s)| s.as_ref()?.iter().rposition(|&f| f))
+                        .max()
+                        .map_or(self.windows.seq_len(), |last| last + 1),
+                    false => self.windows.seq_len(),
+                };
+                let windows = chunk.iter().map(|(w, _)| w[..=len].to_vec()).collect();
                 let batch = LmBatcher.batch(windows, &self.device);
-                let scored: Vec<Option<Vec<bool>>> = chunk.iter().map(|(_, s)| s.clone()).collect();
+                let scored: Vec<Option<Vec<bool>>> = chunk
+                    .iter()
+                    .map(|(_, s)| s.as_ref().map(|s| s[..len].to_vec()))
+                    .collect();
                 if scored.iter().any(Option::is_some) {
                     batch.scoring(&scored)
                 } else {
@@ -364,6 +381,102 @@ mod tests {
 
     fn ids(batch: &LmBatch) -> Vec<i64> {
         batch.inputs.clone().into_data().iter::<i64>().collect()
+    }
+
+    /// Conversation windows: one conversation each, padded, its flags shifted onto targets.
+    /// A micro-batch of conversations of different lengths, cut after its last scored target,
+    /// scores each conversation as it would alone: no conversation sees another or its padding.
+    #[test]
+    fn conversations_are_scored_as_if_each_were_alone() {
+        use diffzoo_datasets::shards::{Scored, prepare_conversations};
+        let dir = tempfile::tempdir().unwrap();
+        let text = diffzoo_datasets::corpus::plays()[0].text[..5_000].to_string();
+        let tokenizer = TextTokenizer::train_bpe(std::iter::once(text.as_str()), 300).unwrap();
+        let conversation = |ids: Vec<u32>, scored_from: usize| Scored {
+            text: format!("{ids:?}"),
+            scored: (0..ids.len()).map(|i| i >= scored_from).collect(),
+            ids,
+        };
+        let conversations = vec![
+            conversation(vec![5, 6, 7, 8, 9], 3),
+            conversation(vec![10, 11, 12], 1),
+            conversation(vec![13, 14, 15, 16, 17, 18, 19], 6),
+        ];
+        let mut options = PrepareOptions::new(dir.path().join("chat"));
+        options.validation_every = 0;
+        let conversations = conversations.into_iter().map(|c| (None, c));
+        prepare_conversations(conversations, &tokenizer, &options, "t", 0, Vec::new()).unwrap();
+        let shards = Shards::open(&dir.path().join("chat")).unwrap();
+        shards.verify().unwrap();
+        let windows = TokenWindows::conversations(
+            shards.tokens(Split::Train).unwrap(),
+            shards.flags(Split::Train).unwrap().unwrap(),
+            8,
+        );
+        assert_eq!(windows.len(), 3);
+        assert_eq!(windows.window(1), [10, 11, 12, 0, 0, 0, 0, 0, 0]);
+        let flags = |i| windows.scored(i).unwrap();
+        assert_eq!(
+            flags(0),
+            [false, false, true, true, false, false, false, false]
+        );
+        assert_eq!(
+            flags(1),
+            [true, true, false, false, false, false, false, false]
+        );
+        assert_eq!(
+            flags(2),
+            [false, false, false, false, false, true, false, false]
+        );
+
+        let device = burn::tensor::Device::flex();
+        device.seed(3);
+        let model = diffzoo_models::ModelConfig::new(
+            diffzoo_models::AttentionKind::Diff,
+            16,
+            2,
+            2,
+            300,
+            16,
+        )
+        .init(&device);
+        let loader = StepLoader::training(
+            Arc::new(windows),
+            1,
+            3,
+            3,
+            Intervals {
+                first_epoch: 1,
+                first_step: 0,
+                interval: 1,
+                total: 1,
+            },
+            device.clone(),
+        );
+        let item = loader.iter().next().unwrap().unwrap();
+        let batch = &item.micro[0];
+        // Cut after the last scored target of any: the 7-token conversation's sixth.
+        assert_eq!(batch.inputs.dims(), [3, 6]);
+        let got = crate::train::step::lm_loss(&model, batch).into_scalar::<f64>();
+        // Each alone, unpadded: the mean over its scored targets; the batch, the mean of those.
+        let alone = |ids: &[i64], scored: &[usize]| {
+            let n = ids.len() - 1;
+            let input = burn::tensor::Tensor::<2, burn::tensor::Int>::from_data(
+                burn::tensor::TensorData::new(ids[..n].to_vec(), [1, n]),
+                &device,
+            );
+            let target = burn::tensor::Tensor::<2, burn::tensor::Int>::from_data(
+                burn::tensor::TensorData::new(ids[1..].to_vec(), [1, n]),
+                &device,
+            );
+            let nll = crate::eval::f64_values(crate::eval::token_nll(&model, input, target));
+            scored.iter().map(|&t| nll[t]).sum::<f64>() / scored.len() as f64
+        };
+        let want = (alone(&[5, 6, 7, 8, 9], &[2, 3])
+            + alone(&[10, 11, 12], &[0, 1])
+            + alone(&[13, 14, 15, 16, 17, 18, 19], &[5]))
+            / 3.0;
+        assert!((got - want).abs() < 1e-5, "{got} vs {want}");
     }
 
     /// One epoch of a loader: each item's step and its micro-batches' input ids.

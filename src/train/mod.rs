@@ -44,7 +44,7 @@ use checkpoint::{CheckpointWriter, Verified};
 use control::Intervals;
 use diffzoo_datasets::needle::NeedleMix;
 use diffzoo_datasets::recall::{self, RecallMix, Vocabulary};
-use diffzoo_datasets::{Split, TextTokenizer, TokenWindows};
+use diffzoo_datasets::{Split, TextTokenizer};
 use loader::{Mixture, StepLoader};
 use metrics::{MetricsLog, StatMetric, StepMetric};
 use schedule::{Schedule, ScheduleState};
@@ -172,6 +172,9 @@ fn prepare_run_dir(
         std::fs::write(&recipe_path, recipe.to_toml())
             .with_context(|| format!("writing {}", recipe_path.display()))?;
         tokenizer.save(&dir.join(run::TOKENIZER))?;
+        if let Some(home) = run::tokenizer_home(recipe) {
+            run::copy_companions(&home, dir)?;
+        }
         return Ok(fresh);
     }
     let stored = run::run_recipe(dir)?;
@@ -462,8 +465,14 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
         );
     }
     let seq = recipe.data.seq_len;
-    let train = Arc::new(TokenWindows::new(shards.tokens(Split::Train)?, seq));
-    let valid = Arc::new(TokenWindows::new(shards.tokens(Split::Validation)?, seq));
+    let train = Arc::new(run::windows(&shards, Split::Train, seq)?);
+    let valid = Arc::new(run::windows(&shards, Split::Validation, seq)?);
+    if train.is_conversations() && (recipe.data.needles.is_some() || recipe.data.recall.is_some()) {
+        bail!(
+            "{}: conversation shards train one conversation per window; `data.needles` and `data.recall` mix documents into plain text windows: drop them",
+            shards.dir.display()
+        );
+    }
     let micro = recipe.training.micro_batch;
     if train.len() < recipe.batch_sequences() as u64 {
         bail!(
