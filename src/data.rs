@@ -283,12 +283,16 @@ fn prepare_conversations(
         input_bytes,
         skipped,
     )?;
-    // The template goes with the shards: its own file, or the directory's companions.
+    // The template goes with the shards, with the files it was rendered with (the special
+    // tokens of a tokenizer_config.json beside a template file) and the end-of-turn ids.
     match run_dir {
         Some(dir) => {
             run::copy_companions(dir, &args.out)?;
         }
         None => {
+            if let Some(dir) = template_path.parent() {
+                run::copy_companions(dir, &args.out)?;
+            }
             std::fs::copy(template_path, args.out.join(chat::TEMPLATE_FILE)).with_context(
                 || {
                     format!(

@@ -2,8 +2,8 @@
 //! (tables merge key by key), `--set section.key=value` overrides, and validation is strict:
 //! unknown keys, wrong types and inconsistent values are errors naming the key and the file.
 //! `needs = ["training.init_from", …]` marks keys a recipe leaves to its user (a fine-tuning
-//! recipe's starting point and data); a recipe without `[model]` that starts from a run
-//! (`training.init_from`) takes that run's model.
+//! recipe's starting point and data); a recipe without a model of its own that starts from a
+//! run (`training.init_from`) takes that run's model.
 //!
 //! The files under `recipes/` are compiled into the binary, so `--recipe NAME` works from any
 //! directory; `--recipe PATH` reads a file.
@@ -1068,15 +1068,19 @@ pub fn resolve(name: &str, overrides: &[String]) -> Result<Resolved> {
     })
 }
 
-/// A recipe without `[model]` that starts from trained weights (`training.init_from`, a run
-/// directory) takes the model of that run's recipe: what fine-tuning an imported model needs.
+/// A recipe without a model of its own (no `model.attention`) that starts from trained weights
+/// (`training.init_from`, a run directory) takes the model of that run's recipe, with any
+/// `model.*` keys it does give on top (`model.attention_impl`, say): what fine-tuning an
+/// imported model needs.
 fn model_of_init(table: &mut toml::Table) -> Result<Vec<String>> {
     let init = table
         .get("training")
         .and_then(|t| t.get("init_from"))
         .and_then(toml::Value::as_str)
         .map(str::to_string);
-    let (false, Some(init)) = (table.contains_key("model"), init) else {
+    // A model of its own names its attention; keys without it adjust the inherited model.
+    let own = table.get("model").and_then(toml::Value::as_table);
+    let (false, Some(init)) = (own.is_some_and(|m| m.contains_key("attention")), init) else {
         return Ok(Vec::new());
     };
     let path = Path::new(&init).join(crate::run::RECIPE);
@@ -1087,11 +1091,23 @@ fn model_of_init(table: &mut toml::Table) -> Result<Vec<String>> {
         );
     }
     let model = from_run_file(&path)?.model;
-    let model = toml::Value::try_from(&model).expect("a model section serializes");
-    table.insert("model".into(), model);
+    let mut model = toml::Table::try_from(&model).expect("a model section serializes");
+    let adjusted = match table.remove("model") {
+        Some(toml::Value::Table(own)) => {
+            let keys: Vec<String> = own.keys().map(|k| format!("model.{k}")).collect();
+            merge(&mut model, own);
+            keys
+        }
+        _ => Vec::new(),
+    };
+    table.insert("model".into(), toml::Value::Table(model));
     Ok(vec![format!(
-        "[model] is that of `training.init_from` = {init:?} ({})",
-        path.display()
+        "[model] is that of `training.init_from` = {init:?} ({}){}",
+        path.display(),
+        match adjusted.as_slice() {
+            [] => String::new(),
+            keys => format!(", with {} as given", keys.join(", ")),
+        }
     )])
 }
 
@@ -1255,6 +1271,46 @@ mod tests {
             "{err}"
         );
         assert!(resolve("tiny", &["optimizer.weight_decay=0.5".into()]).is_ok());
+    }
+
+    #[test]
+    fn a_recipe_without_a_model_takes_that_of_the_run_it_starts_from() {
+        let err = resolve("sft", &[]).unwrap_err();
+        let needs = err
+            .downcast_ref::<Needs>()
+            .expect("the keys sft leaves to its user");
+        assert_eq!(needs.keys, ["training.init_from", "data.corpus"]);
+        let run = tempfile::tempdir().unwrap();
+        let tiny = resolve("tiny", &[]).unwrap().recipe;
+        std::fs::write(run.path().join(crate::run::RECIPE), tiny.to_toml()).unwrap();
+        let set = |extra: &[&str]| {
+            let mut all = vec![
+                format!("training.init_from={:?}", run.path().display().to_string()),
+                "data.corpus=\"data/sft\"".to_string(),
+            ];
+            all.extend(extra.iter().map(|s| s.to_string()));
+            all
+        };
+        let r = resolve("sft", &set(&[])).unwrap();
+        assert_eq!(r.recipe.model, tiny.model);
+        assert!(r.notes[0].contains("training.init_from"), "{:?}", r.notes);
+        // A model key given adjusts the inherited model; the rest stays the run's.
+        let flash = resolve("sft", &set(&["model.attention_impl=\"flash\""])).unwrap();
+        assert_eq!(flash.recipe.model.attention_impl, AttentionChoice::Flash);
+        assert_eq!(flash.recipe.model.d_model, tiny.model.d_model);
+        assert!(
+            flash.notes[0].contains("model.attention_impl"),
+            "{:?}",
+            flash.notes
+        );
+        let missing = resolve(
+            "sft",
+            &[
+                "training.init_from=\"/nonexistent\"".into(),
+                "data.corpus=\"x\"".into(),
+            ],
+        );
+        assert!(format!("{:#}", missing.unwrap_err()).contains("no run directory"));
     }
 
     #[test]

@@ -1055,6 +1055,8 @@ fn a_non_finite_loss_stops_training_naming_the_step() {
         "--set",
         "optimizer.lr=1e30",
         "--set",
+        "optimizer.weight_decay=0",
+        "--set",
         "schedule.min_lr=0",
         "--set",
         "optimizer.grad_clip=0",

@@ -347,10 +347,12 @@ fn bad_checkpoints_are_refused_by_name_and_leave_nothing() {
             &["quantization_config"],
         ),
         (
-            "broken chat template",
+            "broken tokenizer config",
             "qwen2_bias",
-            Box::new(|d| std::fs::write(d.join("chat_template.jinja"), "{% for %}").unwrap()),
-            &["chat_template.jinja", "does not parse"],
+            Box::new(|d| {
+                std::fs::write(d.join("tokenizer_config.json"), "{\"chat_template\":").unwrap()
+            }),
+            &["tokenizer_config.json"],
         ),
         (
             "missing shard",
@@ -742,6 +744,11 @@ fn an_imported_diffllama_generates_and_fine_tunes() {
         path(&tuned),
     ]);
     assert!(stdout.contains("initialised from"), "{stdout}");
+    // The tuned run keeps what its tokenizer came with (here generation_config.json).
+    assert_eq!(
+        std::fs::read(tuned.join("generation_config.json")).unwrap(),
+        std::fs::read(fixture("diffllama_mha").join("generation_config.json")).unwrap()
+    );
     let losses: Vec<f64> = std::fs::read_to_string(tuned.join("metrics.jsonl"))
         .unwrap()
         .lines()
@@ -1028,6 +1035,24 @@ fn chat_templates_render_to_the_ids_transformers_gives() {
         err.contains("roles must alternate") && err.contains("chat_template.jinja"),
         "{err}"
     );
+    // A template this renderer cannot compile is said at import, which goes on; chat refuses.
+    let odd_template = tmp.path().join("odd-template");
+    copy_dir(&fixture("llama3_tied"), &odd_template);
+    std::fs::write(
+        odd_template.join("chat_template.jinja"),
+        "{% generation %}x{% endgeneration %}",
+    )
+    .unwrap();
+    let warned = tmp.path().join("warned");
+    let out = common::diffzoo(&["import", "hf", path(&odd_template), "--out", path(&warned)]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("warning") && stderr.contains("chat_template.jinja"),
+        "{stderr}"
+    );
+    let err = fails(&["generate", "--run", path(&warned), "--messages", path(&odd)]);
+    assert!(err.contains("does not parse"), "{err}");
     let bad = tmp.path().join("bad.jsonl");
     std::fs::write(
         &bad,
@@ -1063,7 +1088,9 @@ fn a_chat_session_answers_as_the_whole_conversation_would() {
     {
         use std::io::Write;
         let mut stdin = child.stdin.take().unwrap();
-        stdin.write_all(b"What is DIFF?\nAnd lambda?\nThanks.\n\n").unwrap();
+        stdin
+            .write_all(b"What is DIFF?\nAnd lambda?\nThanks.\n\n")
+            .unwrap();
     }
     let out = child.wait_with_output().unwrap();
     let transcript = String::from_utf8_lossy(&out.stdout).replace('\r', "");

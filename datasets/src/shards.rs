@@ -7,7 +7,7 @@
 //! rendered conversation after another, no separator, and beside each shard a `.flags` file of
 //! one byte per token: [`FLAG_SCORED`] when the loss scores the token as a target (the
 //! assistant's), [`FLAG_START`] on each conversation's first token. Training reads one
-//! conversation per window ([`Conversations`]).
+//! conversation per window ([`crate::TokenWindows::conversations`]).
 //!
 //! `prepare` writes into `<out>.partial-<pid>` and renames it into place at the end, so an
 //! interrupted run never leaves a torn output directory (rerun it to restart).

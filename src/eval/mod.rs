@@ -98,15 +98,24 @@ impl Loaded {
             .map_or_else(crate::recipe::default_digits, |n| n.digits)
     }
 
-    /// Validation windows of the run's sequence length, refusing a split shorter than one.
+    /// Validation windows of plain text of the run's sequence length, refusing a split shorter
+    /// than one: what the analyses read (by position, hidden state, attention map), which a
+    /// window of one padded conversation does not give.
     pub fn validation_windows(&self) -> Result<TokenWindows> {
-        self.validation_windows_of(&self.shards)
+        let windows = self.validation_windows_of(&self.shards)?;
+        if windows.is_conversations() {
+            bail!(
+                "{}: conversation shards (one padded conversation per window, the loss on the assistant's tokens): this analysis reads windows of plain text; `eval ppl` scores conversations, or give a run trained on text",
+                self.shards.dir.display()
+            );
+        }
+        Ok(windows)
     }
 
-    /// The same over other shards (of this run's tokenizer).
+    /// Validation windows (plain, or one conversation each for conversation shards, as
+    /// training reads them) over `shards` (of this run's tokenizer).
     pub fn validation_windows_of(&self, shards: &Shards) -> Result<TokenWindows> {
-        let windows =
-            TokenWindows::new(shards.tokens(Split::Validation)?, self.recipe.data.seq_len);
+        let windows = crate::run::windows(shards, Split::Validation, self.recipe.data.seq_len)?;
         if windows.is_empty() {
             bail!(
                 "{}: the validation split is shorter than one window of {} tokens",
@@ -119,7 +128,8 @@ impl Loaded {
 
     /// Validation loss of `model` over the first `batches` micro-batches (all when `None`):
     /// `(mean loss, tokens, each window's mean loss)` — the windows for intervals and paired
-    /// comparisons (the forward pass in the device's dtype, the log-softmax in f32).
+    /// comparisons (the forward pass in the device's dtype, the log-softmax in f32). A window of a
+    /// conversation counts its scored targets only, as training does: `tokens` counts those.
     pub fn validation_loss(
         &self,
         model: &Model,
@@ -139,14 +149,30 @@ impl Loaded {
                 .collect();
             let batch = LmBatcher.batch(items, &self.device);
             let [n, s] = batch.targets.dims();
-            per_window.extend(f64_values(
-                token_nll(model, batch.inputs, batch.targets)
-                    .mean_dim(1)
-                    .reshape([n]),
-            ));
-            tokens += (n * s) as u64;
+            let nll = token_nll(model, batch.inputs, batch.targets);
+            if windows.is_conversations() {
+                let rows = b * micro..((b + 1) * micro).min(windows.len());
+                let flags: Vec<Vec<bool>> = rows
+                    .map(|i| windows.scored(i).expect("conversation windows are flagged"))
+                    .collect();
+                let nll = f64_values(nll);
+                for (row, flags) in nll.chunks(s).zip(&flags) {
+                    let scored: Vec<f64> = row
+                        .iter()
+                        .zip(flags)
+                        .filter(|(_, f)| **f)
+                        .map(|(x, _)| *x)
+                        .collect();
+                    tokens += scored.len() as u64;
+                    per_window.push(scored.iter().sum::<f64>() / scored.len() as f64);
+                }
+            } else {
+                per_window.extend(f64_values(nll.mean_dim(1).reshape([n])));
+                tokens += (n * s) as u64;
+            }
         }
-        // Every window has the same length: the mean over tokens is the mean over windows.
+        // The mean over windows: over tokens too for plain windows, all of one length; each
+        // conversation weighs the same, as in the training loss.
         let loss = per_window.iter().sum::<f64>() / per_window.len() as f64;
         Ok((loss, tokens, per_window))
     }

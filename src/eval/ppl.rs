@@ -53,7 +53,10 @@ pub fn measure(
             let windows = loaded.validation_windows_of(&shards)?;
             (windows, dir.clone())
         }
-        None => (loaded.validation_windows()?, loaded.shards.dir.clone()),
+        None => (
+            loaded.validation_windows_of(&loaded.shards)?,
+            loaded.shards.dir.clone(),
+        ),
     };
     let (loss, tokens, per_window) = loaded.validation_loss(&loaded.model, &windows, batches)?;
     Ok(Perplexity {

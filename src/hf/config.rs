@@ -110,8 +110,9 @@ const LLAMA: &[(&str, Read)] = &[
     ("mlp_bias", Fixed("false")),
 ];
 
-/// `MistralForCausalLM` (`models/mistral/`): Llama without biases, with a sliding window.
-const MISTRAL: &[(&str, Read)] = &[("sliding_window", Model), ("layer_types", Model)];
+/// `MistralForCausalLM` (`models/mistral/`): Llama without biases, with a sliding window on every
+/// layer (its config takes `layer_types` but its modeling code never reads it).
+const MISTRAL: &[(&str, Read)] = &[("sliding_window", Model)];
 
 /// `Qwen2ForCausalLM` (`models/qwen2/`): biases on q, k and v (always), and a sliding window
 /// on the layers from `max_window_layers` on when `use_sliding_window`.
@@ -171,7 +172,7 @@ pub struct HfConfig {
     /// `max_position_embeddings`.
     pub context: usize,
     /// Keys transformers does not read for this class (dotted inside `rope_parameters`), in
-    /// file order: accepted, changing nothing.
+    /// key order: accepted, changing nothing.
     pub ignored: Vec<String>,
 }
 
@@ -279,26 +280,16 @@ fn model_section(
     let vocab_size = problems.check(count(map, "vocab_size"));
     let ffn = problems.check(count(map, "intermediate_size"));
     let norm_eps = problems.check(number(map, "rms_norm_eps"));
-    let tie = match map.get("tie_word_embeddings") {
-        None => Some(false),
-        Some(v) => problems.check(
-            v.as_bool()
-                .ok_or_else(|| anyhow!("`tie_word_embeddings` = {v} is not a boolean")),
-        ),
-    };
+    let tie = problems
+        .check(boolean(map, "tie_word_embeddings"))
+        .map(|tie| tie.unwrap_or(false));
     let rope = context.and_then(|context| problems.check(rope(map, context, ignored)));
     if let (Some(context), Some(layers)) = (context, layers) {
         problems.check(sliding_window(map, architecture, context, layers));
     }
     let qkv_bias = match architecture {
         Architecture::Qwen2 => true,
-        Architecture::DiffzooV2 => match map.get("qkv_bias") {
-            None | Some(Value::Null) => false,
-            Some(v) => problems.check(
-                v.as_bool()
-                    .ok_or_else(|| anyhow!("`qkv_bias` = {v} is not a boolean")),
-            )?,
-        },
+        Architecture::DiffzooV2 => problems.check(boolean(map, "qkv_bias"))?.unwrap_or(false),
         _ => false,
     };
     let (d_model, heads, kv_heads) = (d_model?, heads?, kv_heads?);
@@ -377,6 +368,11 @@ fn rope(
     let params = params
         .as_object()
         .ok_or_else(|| anyhow!("`{key}` = {params} is not an object"))?;
+    if let Some((layer, _)) = params.iter().find(|(_, v)| v.is_object()) {
+        bail!(
+            "`{key}.{layer}` is not supported: RoPE parameters that differ by layer type are not implemented"
+        );
+    }
     let get = |name: &str| params.get(name).filter(|v| !v.is_null());
     let theta = match get("rope_theta") {
         Some(v) => v
@@ -456,6 +452,7 @@ fn rope(
                     })? as usize,
                     None => context,
                 },
+
             };
             RopeScaling::Llama3 {
                 factor: factor("factor")?,
@@ -473,65 +470,73 @@ fn rope(
 
 /// A sliding window changes attention only where it is shorter than the context: the window
 /// covers the last `sliding_window` keys of each query, the whole context when it is at least
-/// `max_position_embeddings` long. Mistral applies `sliding_window` to every layer; Qwen2 to the
-/// layers from `max_window_layers` on when `use_sliding_window` (else to none), unless
-/// `layer_types` names each layer's attention.
+/// `max_position_embeddings` long. Mistral applies `sliding_window` to every layer (its
+/// `layer_types` is not read); Qwen2, when `use_sliding_window`, to the layers `layer_types`
+/// names, else to those from `max_window_layers` on, and to none without it. Both classes
+/// default `sliding_window` to 4096 when the key is absent (`null` means no window).
 fn sliding_window(
     map: &Map<String, Value>,
     architecture: Architecture,
     context: usize,
     layers: usize,
 ) -> Result<()> {
-    if !matches!(architecture, Architecture::Mistral | Architecture::Qwen2) {
-        return Ok(());
-    }
-    let window = match map.get("sliding_window") {
-        None | Some(Value::Null) => None,
-        Some(_) => Some(count(map, "sliding_window")?),
-    };
-    let active = match architecture {
-        Architecture::Qwen2 => match map.get("use_sliding_window") {
-            None | Some(Value::Null) => false,
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| anyhow!("`use_sliding_window` = {v} is not a boolean"))?,
-        },
-        _ => true,
-    };
-    let window = window.filter(|_| active);
-    let sliding_layers = match map.get("layer_types") {
-        None | Some(Value::Null) => match architecture {
-            Architecture::Qwen2 => {
-                let from = match map.get("max_window_layers") {
-                    None | Some(Value::Null) => 28,
-                    Some(v) => v.as_u64().ok_or_else(|| {
-                        anyhow!("`max_window_layers` = {v} is not a non-negative integer")
-                    })? as usize,
-                };
-                layers.saturating_sub(from)
-            }
-            _ => layers,
-        },
-        Some(Value::Array(types)) => {
-            let mut sliding = 0;
-            for (i, t) in types.iter().enumerate() {
-                match t.as_str() {
-                    Some("full_attention") => {}
-                    Some("sliding_attention") => sliding += 1,
-                    _ => bail!(
-                        "`layer_types[{i}]` = {t} is not supported: diffzoo implements full_attention (and sliding_attention with a window no shorter than the context)"
-                    ),
+    let sliding_layers = match architecture {
+        Architecture::Mistral => layers,
+        Architecture::Qwen2 if boolean(map, "use_sliding_window")? == Some(true) => {
+            match map.get("layer_types") {
+                None | Some(Value::Null) => {
+                    let from = match map.get("max_window_layers") {
+                        None | Some(Value::Null) => 28,
+                        Some(v) => v.as_u64().ok_or_else(|| {
+                            anyhow!("`max_window_layers` = {v} is not a non-negative integer")
+                        })? as usize,
+                    };
+                    layers.saturating_sub(from)
                 }
+                Some(Value::Array(types)) => {
+                    let mut sliding = 0;
+                    for (i, t) in types.iter().enumerate() {
+                        match t.as_str() {
+                            Some("full_attention") => {}
+                            Some("sliding_attention") => sliding += 1,
+                            _ => bail!(
+                                "`layer_types[{i}]` = {t} is not supported: diffzoo implements full_attention (and sliding_attention with a window no shorter than the context)"
+                            ),
+                        }
+                    }
+                    sliding
+                }
+                Some(other) => bail!("`layer_types` = {other} is not a list"),
             }
-            sliding
         }
-        Some(other) => bail!("`layer_types` = {other} is not a list"),
+        _ => return Ok(()),
+    };
+    let window = match map.get("sliding_window") {
+        None => Some(4096),
+        Some(Value::Null) => None,
+        Some(_) => Some(count(map, "sliding_window")?),
     };
     match window {
         Some(window) if sliding_layers > 0 && window < context => bail!(
-            "`sliding_window` = {window} is not supported: it is shorter than `max_position_embeddings` = {context}, so {sliding_layers} layer(s) would attend to the last {window} positions only, and diffzoo attends to the whole context"
+            "`sliding_window` = {window}{} is not supported: it is shorter than `max_position_embeddings` = {context}, so {sliding_layers} layer(s) would attend to the last {window} positions only, and diffzoo attends to the whole context",
+            if map.contains_key("sliding_window") {
+                ""
+            } else {
+                " (transformers' default: the key is absent)"
+            }
         ),
         _ => Ok(()),
+    }
+}
+
+/// A boolean key: `None` when absent or null.
+fn boolean(map: &Map<String, Value>, key: &str) -> Result<Option<bool>> {
+    match map.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_bool()
+            .map(Some)
+            .ok_or_else(|| anyhow!("`{key}` = {v} is not a boolean")),
     }
 }
 

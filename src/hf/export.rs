@@ -74,6 +74,19 @@ fn export(
     let device = device::parse("cpu")?;
     let (model, weights) = run::load_model(run_dir, &recipe, &device)?;
     let architecture = recipe.model.architecture();
+    // Checked before anything is written: a class that cannot hold the model would drop weights.
+    architecture
+        .holds(config.attention, config.qkv_bias)
+        .map_err(|e| anyhow!("{}: {e}", run_dir.display()))?;
+    if architecture == Architecture::Llama && !config.d_model.is_multiple_of(config.heads) {
+        bail!(
+            "{}: {} requires hidden_size = {} to be a multiple of num_attention_heads = {} (its config refuses it even with head_dim); MistralForCausalLM has no such rule: set model.hf_architecture = \"MistralForCausalLM\" for a baseline",
+            run_dir.display(),
+            architecture.class(),
+            config.d_model,
+            config.heads
+        );
+    }
     let ours: BTreeMap<String, burn_pack::Tensor> = model
         .collect(None, Some(Box::new(BurnToPyTorchAdapter)), true)
         .into_iter()

@@ -148,8 +148,9 @@ fn import(dir: &Path, out: &Path, staging: &Path, dtype: Dtype) -> Result<(HfCon
     Ok((hf, tokenizer.is_some()))
 }
 
-/// The tokenizer's JSON companions parse, and a chat template compiles: a broken one is refused
-/// here, naming its file, rather than when a chat first renders it.
+/// The tokenizer's JSON companions parse (a broken one is refused, naming its file), and a chat
+/// template compiles: one that does not is said at once (chat will not work), but the checkpoint
+/// imports, since what it computes does not depend on it.
 fn check_companions(dir: &Path) -> Result<()> {
     for name in run::COMPANIONS {
         let path = dir.join(name);
@@ -162,7 +163,12 @@ fn check_companions(dir: &Path) -> Result<()> {
     }
     match crate::chat::Template::find(dir) {
         Ok(_) | Err(crate::chat::NoTemplate::Missing(_)) => Ok(()),
-        Err(crate::chat::NoTemplate::Invalid(e)) => Err(e),
+        Err(crate::chat::NoTemplate::Invalid(e)) => {
+            eprintln!(
+                "warning: {e:#}; the model imports, but `generate --messages` and `--chat` will refuse it"
+            );
+            Ok(())
+        }
     }
 }
 

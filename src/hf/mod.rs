@@ -118,12 +118,16 @@ impl Architecture {
             Self::DiffzooV2 => qkv_bias,
             _ => false,
         };
-        match (biased, qkv_bias) {
-            (true, false) => bail!(
+        match (biased, qkv_bias, kind) {
+            (true, false, _) => bail!(
                 "{} has biases on q, k and v: it needs `qkv_bias = true`",
                 self.class()
             ),
-            (false, true) => bail!(
+            (false, true, AttentionKind::Diff) => bail!(
+                "no transformers class holds DIFF V1 with biases on q, k and v alone ({} has them on every projection or none): it cannot be exported",
+                self.class()
+            ),
+            (false, true, _) => bail!(
                 "{} has no biases on q, k and v alone: `qkv_bias = true` needs {}",
                 self.class(),
                 Self::of(kind, true).class()

@@ -145,6 +145,24 @@ fn resume_conflicts(stored: &Recipe, given: &Recipe) -> Vec<String> {
         .collect()
 }
 
+/// Gives a new run the files its tokenizer came with (an imported model's chat template and
+/// end-of-turn ids): those beside the data's tokenizer, else, when the run starts from one with
+/// the same tokenizer, that run's.
+fn copy_tokenizer_files(dir: &Path, recipe: &Recipe, tokenizer: &TextTokenizer) -> Result<()> {
+    if let Some(home) = run::tokenizer_home(recipe)
+        && !run::copy_companions(&home, dir)?.is_empty()
+    {
+        return Ok(());
+    }
+    if let Some(init) = recipe.training.init_from.as_deref().map(Path::new)
+        && init.join(run::TOKENIZER).is_file()
+        && run::run_tokenizer(init)?.hash() == tokenizer.hash()
+    {
+        run::copy_companions(init, dir)?;
+    }
+    Ok(())
+}
+
 /// Prepares the run directory; returns the checkpoint to resume from (number 0: a fresh run).
 fn prepare_run_dir(
     dir: &Path,
@@ -172,9 +190,7 @@ fn prepare_run_dir(
         std::fs::write(&recipe_path, recipe.to_toml())
             .with_context(|| format!("writing {}", recipe_path.display()))?;
         tokenizer.save(&dir.join(run::TOKENIZER))?;
-        if let Some(home) = run::tokenizer_home(recipe) {
-            run::copy_companions(&home, dir)?;
-        }
+        copy_tokenizer_files(dir, recipe, tokenizer)?;
         return Ok(fresh);
     }
     let stored = run::run_recipe(dir)?;
