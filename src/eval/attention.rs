@@ -75,6 +75,11 @@ impl AttentionAllocation {
         }
         let (answer, noise) = self.mean();
         println!("   mean | {answer:>6.3} | {noise:>5.3}");
+        if self.attention != "transformer" {
+            println!(
+                "  (DIFF's maps are A₁ − λ·A₂: each row sums to 1 − λ, and a share is negative where the subtracted map outweighs the first, by construction)"
+            );
+        }
     }
 }
 

@@ -50,9 +50,37 @@ pub struct CompareArgs {
     pub outlier_tokens: usize,
     #[arg(long, default_value = "16,8,6,4", value_parser = list::<u32>)]
     pub bits: Values<u32>,
+    /// Analyses to run, of loss, position, needle, attention, outliers, quant, lambda (default:
+    /// all; the validation loss always runs).
+    #[arg(long, value_parser = analyses)]
+    pub only: Option<Values<String>>,
 }
 
-/// Everything measured on one run.
+/// The analyses `compare` runs (`--only` chooses among them; the validation loss always runs).
+pub const ANALYSES: [&str; 7] = [
+    "loss",
+    "position",
+    "needle",
+    "attention",
+    "outliers",
+    "quant",
+    "lambda",
+];
+
+/// `--only`: analysis names from [`ANALYSES`].
+fn analyses(text: &str) -> std::result::Result<Vec<String>, String> {
+    let names: Vec<String> = text.split(',').map(|s| s.trim().to_string()).collect();
+    match names.iter().find(|n| !ANALYSES.contains(&n.as_str())) {
+        Some(bad) => Err(format!(
+            "`{bad}` is not an analysis: choose among {}",
+            ANALYSES.join(", ")
+        )),
+        None => Ok(names),
+    }
+}
+
+/// Everything measured on one run; an analysis not asked for, or that the run's context cannot
+/// hold, is `None` (and says why in `skipped`).
 #[derive(Debug, Serialize)]
 pub struct RunReport {
     pub name: String,
@@ -60,44 +88,185 @@ pub struct RunReport {
     pub attention: String,
     pub parameters: u64,
     pub ppl: Perplexity,
-    pub nll_position: NllByPosition,
-    pub needle: Retrieval,
-    pub attention_allocation: AttentionAllocation,
-    pub outliers: Outliers,
-    pub quant: Quantization,
+    pub nll_position: Option<NllByPosition>,
+    pub needle: Option<Retrieval>,
+    pub attention_allocation: Option<AttentionAllocation>,
+    pub outliers: Option<Outliers>,
+    pub quant: Option<Quantization>,
     pub lambda: Option<Lambdas>,
     /// A run over seeds: each seed's directory name and validation loss (empty for one run).
     pub seed_losses: Vec<(String, f64)>,
 }
 
-fn measure(args: &CompareArgs, grid: &GridArgs, run: &Path, name: &str) -> Result<RunReport> {
+/// What both runs are measured with: the needle grid and attention-allocation needles fitted to
+/// both contexts, or why an analysis cannot run.
+struct Plan {
+    needle: std::result::Result<needle::Grid, String>,
+    /// The needles per prompt and the grid (its depths, first length and seed) of the attention
+    /// study.
+    attention: std::result::Result<(usize, needle::Grid), String>,
+    /// What fitting left out, to be said.
+    notes: Vec<String>,
+}
+
+impl Plan {
+    /// What the report says of the analyses not run or cut down.
+    fn said(&self, args: &CompareArgs) -> Vec<String> {
+        let mut said = self.notes.clone();
+        if let (Err(why), true) = (&self.needle, args.wants("needle")) {
+            said.push(format!("multi-needle retrieval skipped: {why}"));
+        }
+        if let (Err(why), true) = (&self.attention, args.wants("attention")) {
+            said.push(format!("attention allocation skipped: {why}"));
+        }
+        if let Some(only) = &args.only {
+            let skipped: Vec<&str> = ANALYSES
+                .iter()
+                .copied()
+                .filter(|a| *a != "loss" && !only.iter().any(|o| o == a))
+                .collect();
+            if !skipped.is_empty() {
+                said.push(format!("not asked for (--only): {}", skipped.join(", ")));
+            }
+        }
+        said
+    }
+}
+
+impl CompareArgs {
+    fn wants(&self, analysis: &str) -> bool {
+        self.only
+            .as_ref()
+            .is_none_or(|only| only.iter().any(|a| a == analysis))
+    }
+
+    /// The needle grid (resolved on run A, fitted to both) and the needles of the attention study
+    /// (the largest count up to `--attention-needles` that both contexts hold).
+    fn plan(&self, runs: [&Loaded; 2]) -> Result<Plan> {
+        let mut notes = Vec::new();
+        let mut grid = self.grid.resolve(runs[0])?;
+        // Prompts no longer than the shorter context: both models read each one.
+        let context = runs.iter().map(|l| l.context()).min().unwrap_or(0);
+        let (kept, dropped): (Vec<usize>, Vec<usize>) =
+            grid.lengths.iter().partition(|&&l| l <= context);
+        if !dropped.is_empty() {
+            notes.push(format!(
+                "needle prompts of {dropped:?} tokens left out: longer than the shorter context ({context} tokens)"
+            ));
+        }
+        grid.lengths = kept;
+        if grid.lengths.is_empty() {
+            let why = format!("no prompt length fits the shorter context of {context} tokens");
+            return Ok(Plan {
+                needle: Err(why.clone()),
+                attention: Err(why),
+                notes,
+            });
+        }
+        for loaded in runs {
+            let (fitted, note) = needle::fit(loaded, &grid)?;
+            notes.extend(note);
+            grid = fitted;
+        }
+        let needle = if grid.needles.is_empty() || grid.queries.is_empty() {
+            Err(format!(
+                "no needle count of --needles {:?} fits prompts of {:?} tokens",
+                self.grid.needles, grid.lengths
+            ))
+        } else {
+            Ok(grid.clone())
+        };
+        let single = needle::Grid {
+            lengths: grid.lengths[..1].to_vec(),
+            ..grid.clone()
+        };
+        let mut attention = Err(format!(
+            "not even one needle fits prompts of {} tokens",
+            single.lengths[0]
+        ));
+        for n in (1..=self.attention_needles).rev() {
+            let mut all = true;
+            for loaded in runs {
+                // As the attention study samples: the run's own digits, its sample count.
+                let as_measured = needle::Grid {
+                    digits: loaded.needle_digits(),
+                    samples: self.attention_samples,
+                    ..single.clone()
+                };
+                all &= needle::fits(loaded, &as_measured, n, &[1])?;
+            }
+            if all {
+                if n < self.attention_needles {
+                    notes.push(format!(
+                        "attention allocation with {n} needles per prompt: {} do not fit prompts of {} tokens",
+                        self.attention_needles, single.lengths[0]
+                    ));
+                }
+                attention = Ok((n, single.clone()));
+                break;
+            }
+        }
+        Ok(Plan {
+            needle,
+            attention,
+            notes,
+        })
+    }
+}
+
+fn measure(args: &CompareArgs, plan: &Plan, run: &Path, name: &str) -> Result<RunReport> {
     let seeds = seeds_of(run)?;
     let dir = seeds.first().map_or(run, PathBuf::as_path);
     let loaded = Loaded::open(dir, &args.device)?;
     eprintln!("{name}: {}", loaded.weights);
-    let grid = grid.resolve(&loaded)?;
     let step = |what: &str| eprintln!("{name}: {what}");
     step("validation loss");
     let ppl = ppl::measure(&loaded, None, Some(args.max_batches))?;
-    step("NLL by position");
-    let nll_position = position::measure(&loaded, args.position_windows)?;
-    step("multi-needle retrieval");
-    let needle = needle::measure(&loaded, &grid)?;
-    step("attention allocation");
-    let attention_allocation = attention::measure(
-        &loaded,
-        args.attention_needles,
-        &grid.depths,
-        grid.lengths.first().copied(),
-        args.attention_samples,
-        grid.seed,
-    )?;
-    step("outliers");
-    let outliers = outliers::measure(&loaded, args.outlier_tokens)?;
-    step("quantised attention");
-    let quant = quant::measure(&loaded, &args.bits, args.max_batches, None)?;
+    let nll_position = match args.wants("position") {
+        true => {
+            step("NLL by position");
+            Some(position::measure(&loaded, args.position_windows)?)
+        }
+        false => None,
+    };
+    let needle = match (&plan.needle, args.wants("needle")) {
+        (Ok(grid), true) => {
+            step("multi-needle retrieval");
+            Some(needle::measure(&loaded, grid)?)
+        }
+        _ => None,
+    };
+    let attention_allocation = match (&plan.attention, args.wants("attention")) {
+        (Ok((n, grid)), true) => {
+            step("attention allocation");
+            Some(attention::measure(
+                &loaded,
+                *n,
+                &grid.depths,
+                grid.lengths.first().copied(),
+                args.attention_samples,
+                grid.seed,
+            )?)
+        }
+        _ => None,
+    };
+    let outliers = match args.wants("outliers") {
+        true => {
+            step("outliers");
+            Some(outliers::measure(&loaded, args.outlier_tokens)?)
+        }
+        false => None,
+    };
+    let quant = match args.wants("quant") {
+        true => {
+            step("quantised attention");
+            Some(quant::measure(&loaded, &args.bits, args.max_batches, None)?)
+        }
+        false => None,
+    };
     let lambda = match loaded.recipe.model.attention {
         AttentionKind::Transformer => None,
+        _ if !args.wants("lambda") => None,
         _ => Some(lambda::measure(&loaded, dir)?),
     };
     let mut seed_losses = Vec::with_capacity(seeds.len());
@@ -149,11 +318,17 @@ fn names(a: &Path, b: &Path) -> [String; 2] {
 }
 
 /// The Markdown report of two runs; figures are referenced by file name.
-pub fn report(runs: &[RunReport; 2], command: &str) -> String {
+pub fn report(runs: &[RunReport; 2], command: &str, said: &[String]) -> String {
     let [a, b] = runs;
     let mut s = String::new();
     let _ = writeln!(s, "# {} vs {}\n", a.name, b.name);
     let _ = writeln!(s, "Produced by `{command}`.\n");
+    for line in said {
+        let _ = writeln!(s, "- {line}");
+    }
+    if !said.is_empty() {
+        let _ = writeln!(s);
+    }
     let _ = writeln!(s, "| | {} | {} |\n|---|---|---|", a.name, b.name);
     let row = |s: &mut String, what: &str, f: &dyn Fn(&RunReport) -> String| {
         let _ = writeln!(s, "| {what} | {} | {} |", f(a), f(b));
@@ -173,28 +348,42 @@ pub fn report(runs: &[RunReport; 2], command: &str) -> String {
         let _ = writeln!(s, "\n{line}");
     }
 
-    let _ = writeln!(s, "\n## NLL by position (Fig. 4)\n");
-    let _ = writeln!(
-        s,
-        "Cumulative average NLL of held-out tokens up to each position.\n"
-    );
-    let _ = writeln!(s, "| position | {} | {} |\n|---|---|---|", a.name, b.name);
-    for t in position::report_positions(
-        a.nll_position
-            .cumulative
-            .len()
-            .min(b.nll_position.cumulative.len()),
-    ) {
+    if let (Some(pa), Some(pb)) = (&a.nll_position, &b.nll_position) {
+        let _ = writeln!(s, "\n## NLL by position (Fig. 4)\n");
         let _ = writeln!(
             s,
-            "| {t} | {:.4} | {:.4} |",
-            a.nll_position.cumulative[t - 1],
-            b.nll_position.cumulative[t - 1]
+            "Cumulative average NLL of held-out tokens up to each position.\n"
         );
+        let _ = writeln!(s, "| position | {} | {} |\n|---|---|---|", a.name, b.name);
+        for t in position::report_positions(pa.cumulative.len().min(pb.cumulative.len())) {
+            let _ = writeln!(
+                s,
+                "| {t} | {:.4} | {:.4} |",
+                pa.cumulative[t - 1],
+                pb.cumulative[t - 1]
+            );
+        }
+        let _ = writeln!(s, "\n![NLL by position](nll-position.svg)");
     }
-    let _ = writeln!(s, "\n![NLL by position](nll-position.svg)");
+    if let (Some(na), Some(nb)) = (&a.needle, &b.needle) {
+        needle_section(&mut s, [(&a.name, na), (&b.name, nb)]);
+    }
+    if let (Some(aa), Some(ab)) = (&a.attention_allocation, &b.attention_allocation) {
+        attention_section(&mut s, [(&a.name, aa), (&b.name, ab)]);
+    }
+    if let (Some(oa), Some(ob)) = (&a.outliers, &b.outliers) {
+        outlier_section(&mut s, [(&a.name, oa), (&b.name, ob)]);
+    }
+    if let (Some(qa), Some(qb)) = (&a.quant, &b.quant) {
+        quant_section(&mut s, [(&a.name, qa), (&b.name, qb)]);
+    }
+    lambda_section(&mut s, runs);
+    s
+}
 
-    let g = &a.needle.grid;
+/// The multi-needle section of the report: each run by name.
+fn needle_section(s: &mut String, [(an, a), (bn, b)]: [(&String, &Retrieval); 2]) {
+    let g = &a.grid;
     let _ = writeln!(s, "\n## Multi-needle retrieval (Table 2, Fig. 5)\n");
     let _ = writeln!(
         s,
@@ -212,16 +401,15 @@ pub fn report(runs: &[RunReport; 2], command: &str) -> String {
         depths.join(" | "),
         "---|".repeat(depths.len())
     );
-    for (n, r) in a.needle.pairs() {
-        for run in [a, b] {
+    for (n, r) in a.pairs() {
+        for (name, run) in [(an, a), (bn, b)] {
             let cells: Vec<String> = g
                 .depths
                 .iter()
                 .map(|&d| {
                     format!(
                         "{:.2}",
-                        run.needle
-                            .mean(|c| (c.needles, c.queries, c.depth) == (n, r, d))
+                        run.mean(|c| (c.needles, c.queries, c.depth) == (n, r, d))
                     )
                 })
                 .collect();
@@ -229,36 +417,33 @@ pub fn report(runs: &[RunReport; 2], command: &str) -> String {
             let _ = writeln!(
                 s,
                 "| {n} | {r} | {} | {} | **{:.2}** | {:.2} |",
-                run.name,
+                name,
                 cells.join(" | "),
-                run.needle.mean(pair),
-                run.needle.token_mean(pair)
+                run.mean(pair),
+                run.token_mean(pair)
             );
         }
     }
     let _ = writeln!(
         s,
         "\n![retrieval, {}](needle-a.svg) ![retrieval, {}](needle-b.svg)",
-        a.name, b.name
+        an, bn
     );
+}
 
+/// The attention-allocation section of the report.
+fn attention_section(s: &mut String, [(an, a), (bn, b)]: [(&String, &AttentionAllocation); 2]) {
     let _ = writeln!(s, "\n## Attention allocation (Table 3)\n");
     let _ = writeln!(
         s,
-        "Attention of the answer-predicting token on the answer needle and on the rest of the context, mean over heads, layers and {} samples ({} needles per prompt).\n",
-        a.attention_allocation.samples, a.attention_allocation.needles
+        "Attention of the answer-predicting token on the answer needle and on the rest of the context, mean over heads, layers and {} samples ({} needles per prompt). For DIFF the maps are the differential ones, A₁ − λ·A₂, whose rows sum to 1 − λ: a noise share below 0 means the subtracted map outweighs the first on the context, which DIFF's subtraction allows by construction.\n",
+        a.samples, a.needles
     );
     let _ = writeln!(
         s,
-        "| depth | {0} answer | {0} noise | {1} answer | {1} noise |\n|---|---|---|---|---|",
-        a.name, b.name
+        "| depth | {an} answer | {an} noise | {bn} answer | {bn} noise |\n|---|---|---|---|---|"
     );
-    for (da, db) in a
-        .attention_allocation
-        .depths
-        .iter()
-        .zip(&b.attention_allocation.depths)
-    {
+    for (da, db) in a.depths.iter().zip(&b.depths) {
         let _ = writeln!(
             s,
             "| {:.0}% | {:.3} | {:.3} | {:.3} | {:.3} |",
@@ -269,7 +454,10 @@ pub fn report(runs: &[RunReport; 2], command: &str) -> String {
             db.noise
         );
     }
+}
 
+/// The activation-outlier section of the report.
+fn outlier_section(s: &mut String, runs: [(&String, &Outliers); 2]) {
     let _ = writeln!(s, "\n## Activation outliers (Table 5)\n");
     let ranks: Vec<String> = outliers::RANKS.iter().map(|r| format!("top-{r}")).collect();
     let _ = writeln!(
@@ -285,19 +473,21 @@ pub fn report(runs: &[RunReport; 2], command: &str) -> String {
         ),
         ("hidden states", |o: &Outliers| o.hidden_states.clone()),
     ] {
-        for run in [a, b] {
-            let m = pick(&run.outliers);
+        for (name, run) in runs {
+            let m = pick(run);
             let top: Vec<String> = m.top.iter().map(|(_, v)| format!("{v:.2}")).collect();
             let _ = writeln!(
                 s,
-                "| {what} | {} | {} | {:.3} |",
-                run.name,
+                "| {what} | {name} | {} | {:.3} |",
                 top.join(" | "),
                 m.median
             );
         }
     }
+}
 
+/// The quantisation section of the report.
+fn quant_section(s: &mut String, [(an, a), (bn, b)]: [(&String, &Quantization); 2]) {
     let _ = writeln!(s, "\n## Quantised attention logits (Fig. 8)\n");
     let _ = writeln!(
         s,
@@ -305,10 +495,9 @@ pub fn report(runs: &[RunReport; 2], command: &str) -> String {
     );
     let _ = writeln!(
         s,
-        "| bits | {0} loss | {0} Δ | {1} loss | {1} Δ |\n|---|---|---|---|---|",
-        a.name, b.name
+        "| bits | {an} loss | {an} Δ | {bn} loss | {bn} Δ |\n|---|---|---|---|---|"
     );
-    for (wa, wb) in a.quant.widths.iter().zip(&b.quant.widths) {
+    for (wa, wb) in a.widths.iter().zip(&b.widths) {
         let bits = wa.bits.map_or("full".to_string(), |b| b.to_string());
         let _ = writeln!(
             s,
@@ -317,29 +506,31 @@ pub fn report(runs: &[RunReport; 2], command: &str) -> String {
         );
     }
     let _ = writeln!(s, "\n![quantisation](quant.svg)");
+}
 
-    let with_lambda: Vec<&RunReport> = runs.iter().filter(|r| r.lambda.is_some()).collect();
-    if !with_lambda.is_empty() {
-        let _ = writeln!(s, "\n## λ during training\n");
-        for (i, run) in runs.iter().enumerate() {
-            if let Some(l) = &run.lambda {
-                let _ = writeln!(s, "{}:\n", run.name);
-                let layers = l.checkpoints.first().map_or(0, |c| c.mean.len());
-                let header: Vec<String> = (0..layers).map(|i| format!("layer {i}")).collect();
-                let _ = writeln!(
-                    s,
-                    "| step | {} |\n|---|{}",
-                    header.join(" | "),
-                    "---|".repeat(layers)
-                );
-                for c in &l.checkpoints {
-                    let _ = writeln!(s, "| {} | {} |", c.step, l.layers(c).join(" | "));
-                }
-                let _ = writeln!(s, "\n![λ, {}](lambda-{}.svg)\n", run.name, ["a", "b"][i]);
+/// The λ section of the report, for the runs that have λ.
+fn lambda_section(s: &mut String, runs: &[RunReport; 2]) {
+    if runs.iter().all(|r| r.lambda.is_none()) {
+        return;
+    }
+    let _ = writeln!(s, "\n## λ during training\n");
+    for (i, run) in runs.iter().enumerate() {
+        if let Some(l) = &run.lambda {
+            let _ = writeln!(s, "{}:\n", run.name);
+            let layers = l.checkpoints.first().map_or(0, |c| c.mean.len());
+            let header: Vec<String> = (0..layers).map(|i| format!("layer {i}")).collect();
+            let _ = writeln!(
+                s,
+                "| step | {} |\n|---|{}",
+                header.join(" | "),
+                "---|".repeat(layers)
+            );
+            for c in &l.checkpoints {
+                let _ = writeln!(s, "| {} | {} |", c.step, l.layers(c).join(" | "));
             }
+            let _ = writeln!(s, "\n![λ, {}](lambda-{}.svg)\n", run.name, ["a", "b"][i]);
         }
     }
-    s
 }
 
 /// The validation-loss difference A − B with its 95% interval over evaluation windows: paired
@@ -418,31 +609,42 @@ pub fn seed_difference(a: (&str, &[(String, f64)]), b: (&str, &[(String, f64)]))
 
 pub fn run(args: &CompareArgs) -> Result<()> {
     let [na, nb] = names(&args.run_a, &args.run_b);
-    let a = measure(args, &args.grid, &args.run_a, &na)?;
-    // Both runs get the same needle prompts: lengths and digits as resolved for RUN_A.
-    let same = GridArgs {
-        lengths: Some(a.needle.grid.lengths.clone()),
-        digits: Some(a.needle.grid.digits),
-        ..args.grid.clone()
+    // Both runs get the same needle prompts: resolved for RUN_A, fitted to both contexts.
+    let first = |run: &Path| -> Result<Loaded> {
+        let seeds = seeds_of(run)?;
+        Loaded::open(seeds.first().map_or(run, PathBuf::as_path), &args.device)
     };
-    let b = measure(args, &same, &args.run_b, &nb)?;
-    let runs = [a, b];
+    let plan = args.plan([&first(&args.run_a)?, &first(&args.run_b)?])?;
+    let said = plan.said(args);
+    for line in &said {
+        eprintln!("{line}");
+    }
+    let runs = [
+        measure(args, &plan, &args.run_a, &na)?,
+        measure(args, &plan, &args.run_b, &nb)?,
+    ];
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let out = |f: &str| args.out.join(f);
     let [a, b] = &runs;
-    plot::write(
-        &out("nll-position.svg"),
-        &position::chart(&[(&a.name, &a.nll_position), (&b.name, &b.nll_position)]).svg(),
-    )?;
-    for (run, file) in [(a, "needle-a.svg"), (b, "needle-b.svg")] {
-        let title = format!("Multi-needle retrieval: {}", run.name);
-        plot::write(&out(file), &run.needle.heatmap(&title).svg())?;
+    if let (Some(pa), Some(pb)) = (&a.nll_position, &b.nll_position) {
+        plot::write(
+            &out("nll-position.svg"),
+            &position::chart(&[(&a.name, pa), (&b.name, pb)]).svg(),
+        )?;
     }
-    plot::write(
-        &out("quant.svg"),
-        &quant::chart(&[(&a.name, &a.quant), (&b.name, &b.quant)]).svg(),
-    )?;
+    for (run, file) in [(a, "needle-a.svg"), (b, "needle-b.svg")] {
+        if let Some(needle) = &run.needle {
+            let title = format!("Multi-needle retrieval: {}", run.name);
+            plot::write(&out(file), &needle.heatmap(&title).svg())?;
+        }
+    }
+    if let (Some(qa), Some(qb)) = (&a.quant, &b.quant) {
+        plot::write(
+            &out("quant.svg"),
+            &quant::chart(&[(&a.name, qa), (&b.name, qb)]).svg(),
+        )?;
+    }
     for (run, file) in [(a, "lambda-a.svg"), (b, "lambda-b.svg")] {
         if let Some(l) = &run.lambda {
             plot::write(
@@ -455,7 +657,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         .chain(std::env::args().skip(1))
         .collect::<Vec<_>>()
         .join(" ");
-    std::fs::write(out("report.md"), report(&runs, &command))
+    std::fs::write(out("report.md"), report(&runs, &command, &said))
         .with_context(|| format!("writing {}", out("report.md").display()))?;
     std::fs::write(out("results.json"), serde_json::to_string_pretty(&runs)?)
         .with_context(|| format!("writing {}", out("results.json").display()))?;

@@ -329,6 +329,73 @@ pub fn measure(loaded: &Loaded, grid: &Grid) -> Result<Retrieval> {
     measure_with(loaded, &loaded.model, grid)
 }
 
+/// Whether every sample of `needles` needles (each query count, depth and length of `grid`,
+/// `samples` of each) fits the run's prompts: needles, haystack, question and answer.
+pub fn fits(loaded: &Loaded, grid: &Grid, needles: usize, queries: &[usize]) -> Result<bool> {
+    let haystack = loaded.validation()?;
+    for &q in queries.iter().filter(|&&q| q <= needles) {
+        for &length in &grid.lengths {
+            for &depth in &grid.depths {
+                for index in 0..grid.samples {
+                    let s = sample(
+                        loaded,
+                        &haystack,
+                        needles,
+                        q,
+                        depth,
+                        length,
+                        grid.digits,
+                        grid.seed,
+                        index,
+                    );
+                    if s.is_err() {
+                        return Ok(false);
+                    }
+                }
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// `grid` with the needle counts whose prompts do not fit the run's context left out (a model
+/// of 128 positions holds fewer needles than one of 4,096); what was left out, to be said.
+pub fn fit(loaded: &Loaded, grid: &Grid) -> Result<(Grid, Option<String>)> {
+    let mut kept = Vec::new();
+    for &n in &grid.needles {
+        if fits(loaded, grid, n, &grid.queries)? {
+            kept.push(n);
+        }
+    }
+    let dropped: Vec<String> = grid
+        .needles
+        .iter()
+        .filter(|n| !kept.contains(n))
+        .map(usize::to_string)
+        .collect();
+    let note = (!dropped.is_empty()).then(|| {
+        format!(
+            "{} needles do not fit prompts of {:?} tokens (the context, question and answer): left out",
+            dropped.join(", "),
+            grid.lengths
+        )
+    });
+    let queries = grid
+        .queries
+        .iter()
+        .copied()
+        .filter(|&q| kept.iter().any(|&n| q <= n))
+        .collect();
+    Ok((
+        Grid {
+            needles: kept,
+            queries,
+            ..grid.clone()
+        },
+        note,
+    ))
+}
+
 /// Retrieval of `model` (the run's, or a modified copy of it).
 pub fn measure_with(loaded: &Loaded, model: &Model, grid: &Grid) -> Result<Retrieval> {
     let haystack = loaded.validation()?;
