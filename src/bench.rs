@@ -381,7 +381,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         None => None,
     };
     for spec in &args.devices {
-        train::configure_dtype(&mut device::parse(spec)?, &args.dtype, spec, "--dtype")?;
+        device::parse_as(spec, |d| {
+            train::configure_dtype(d, &args.dtype, spec, "--dtype")
+        })?;
     }
     // PyTorch first: a missing or broken Python fails before minutes of measuring.
     let mut torch = Vec::new();
@@ -605,8 +607,9 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
         _ => bail!("--child measures one device and one variant"),
     };
     let config = shape.config(attention, args.seq, args.implementation())?;
-    let mut device = device::parse(spec)?;
-    train::configure_dtype(&mut device, &args.dtype, spec, "--dtype")?;
+    let device = device::parse_as(spec, |d| {
+        train::configure_dtype(d, &args.dtype, spec, "--dtype")
+    })?;
     let base = proc_status_bytes("VmRSS:");
     let training = device.clone().autodiff();
     training.seed(0);

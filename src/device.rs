@@ -54,9 +54,13 @@ macro_rules! backend {
 /// Parses the devices of data-parallel training (`--devices`). Burn 0.22.1 has collective
 /// operations (the all-reduce of gradients) only on CubeCL CUDA, so more than one device must all
 /// be distinct `cuda:N` devices; one device is simply [`parse`]d.
-pub fn parse_data_parallel(specs: &[String]) -> Result<Vec<Device>> {
+/// `configure` sets each device up (its float dtype) before it is started.
+pub fn parse_data_parallel(
+    specs: &[String],
+    configure: impl Fn(&mut Device, &str) -> Result<()>,
+) -> Result<Vec<Device>> {
     if let [spec] = specs {
-        return Ok(vec![parse(spec)?]);
+        return Ok(vec![parse_as(spec, |d| configure(d, spec))?]);
     }
     let list = specs.join(",");
     let mut seen = Vec::new();
@@ -76,7 +80,9 @@ pub fn parse_data_parallel(specs: &[String]) -> Result<Vec<Device>> {
     }
     specs
         .iter()
-        .map(|spec| parse(spec).map_err(|e| anyhow!("--devices {list}: {e}")))
+        .map(|spec| {
+            parse_as(spec, |d| configure(d, spec)).map_err(|e| anyhow!("--devices {list}: {e}"))
+        })
         .collect()
 }
 
@@ -93,9 +99,65 @@ fn split(spec: &str) -> Result<(&str, Option<usize>)> {
     })
 }
 
-/// Parses a device string. `cpu` is the default CPU backend (Flex, measured faster than
-/// NdArray on a training step; see the README).
+/// Parses a device string and checks that the device starts. `cpu` is the default CPU backend
+/// (Flex, measured faster than NdArray on a training step; see the book's Backends chapter).
 pub fn parse(spec: &str) -> Result<Device> {
+    parse_as(spec, |_| Ok(()))
+}
+
+/// Parses a device string, sets the device up with `configure` (its float dtype: a device is
+/// configured before its first tensor, which the start check makes) and checks that it starts.
+pub fn parse_as(spec: &str, configure: impl FnOnce(&mut Device) -> Result<()>) -> Result<Device> {
+    let mut device = named(spec)?;
+    configure(&mut device)?;
+    match split(spec)?.0 {
+        "cpu" | "flex" | "ndarray" | "tch" => Ok(device),
+        _ => start(spec, device),
+    }
+}
+
+/// A device that is compiled in may still fail to start — LibTorch CUDA on a CPU LibTorch,
+/// CUDA without a driver, WGPU without an adapter — and its backend panics then. One tiny
+/// tensor made and read back tells: a panic becomes an error naming the device and the fix.
+fn start(spec: &str, device: Device) -> Result<Device> {
+    use std::panic::{AssertUnwindSafe, catch_unwind, set_hook, take_hook};
+    let hook = take_hook();
+    set_hook(Box::new(|_| {}));
+    let started = catch_unwind(AssertUnwindSafe(|| {
+        burn::tensor::Tensor::<1>::zeros([1], &device).into_data();
+    }));
+    set_hook(hook);
+    let Err(panic) = started else {
+        return Ok(device);
+    };
+    let why = panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("its backend panicked");
+    let fix = match split(spec)?.0 {
+        "tch-cuda" => {
+            "this binary's LibTorch has no CUDA (`bash .ci/setup tch` assembles a CPU one): point \
+             LIBTORCH at a CUDA LibTorch 2.9.0 and rebuild with --features tch, or train on \
+             `--device tch` (CPU) or `cuda:N` (CubeCL)"
+        }
+        "cuda" => {
+            "no usable NVIDIA driver or GPU of that index (`nvidia-smi` lists them); use \
+             --device cpu on this machine"
+        }
+        _ => {
+            "no graphics adapter: on a machine without a GPU install Mesa's Vulkan driver \
+             (`bash .ci/setup wgpu`), or use --device cpu"
+        }
+    };
+    bail!(
+        "device `{spec}` is compiled in but does not start ({}): {fix}",
+        why.lines().next().unwrap_or(why).trim()
+    )
+}
+
+/// The device a device string names, unchecked.
+fn named(spec: &str) -> Result<Device> {
     match split(spec)? {
         #[cfg(feature = "flex")]
         ("cpu", None) => backend!(spec, "flex", Device::flex()),

@@ -1,5 +1,14 @@
 //! `diffzoo`: train, compare and sample DIFF Transformers and their baseline.
 
+/// `println!` that ignores a closed standard output: training goes on when whatever read its log
+/// went away (`train … | head`), and ends and records its outcome as it would have.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 mod allocator;
 mod bench;
 mod chat;
@@ -165,9 +174,10 @@ enum DataCommand {
 
 fn main() {
     allocator::tune();
+    quiet_broken_pipe();
     match dispatch(Cli::parse()) {
         Ok(Outcome::Done) => {}
-        Ok(Outcome::Stopped) => std::process::exit(train::RESUMABLE),
+        Ok(Outcome::Stopped(_)) => std::process::exit(train::RESUMABLE),
         Err(e) => {
             eprintln!("error: {e:#}");
             std::process::exit(1);
@@ -175,11 +185,31 @@ fn main() {
     }
 }
 
+/// A command whose output goes to a reader that closed it (`diffzoo recipe show X | head -3`)
+/// ends quietly with status 0, as `cat` and `grep` do, instead of panicking on the failed print.
+/// (Training does not print that way: [`say!`] ignores the closed output and the run goes on.)
+fn quiet_broken_pipe() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let message = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        if message.starts_with("failed printing to stdout") && message.contains("Broken pipe") {
+            std::process::exit(0);
+        }
+        default(info);
+    }));
+}
+
 /// How a command ended, when it did not fail.
 pub enum Outcome {
     Done,
-    /// Training stopped early with a checkpoint to resume from (exit status [`train::RESUMABLE`]).
-    Stopped,
+    /// Training stopped early with a checkpoint to resume from (exit status [`train::RESUMABLE`]),
+    /// and why (a signal, the dashboard, a time limit).
+    Stopped(String),
 }
 
 fn dispatch(cli: Cli) -> Result<Outcome> {

@@ -451,6 +451,7 @@ pub fn show(
             "derived": derived,
             "plan": plan,
             "notes": resolved.notes,
+            "warnings": resolved.recipe.missing_paths(),
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
@@ -458,6 +459,9 @@ pub fn show(
     println!("# {} ({})", resolved.name, resolved.source);
     for note in &resolved.notes {
         println!("# {note}");
+    }
+    for missing in resolved.recipe.missing_paths() {
+        println!("# warning: {missing}");
     }
     println!("{}", resolved.recipe.to_toml());
     println!("# derived");

@@ -99,10 +99,10 @@ pub enum AttentionChoice {
 }
 
 /// Where `attention_impl = "auto"` switches to the flash path. Measured with
-/// `bench/long_context.sh` (d 256 × 4 layers, Flex, 2-core AMD EPYC with AVX-512; README,
-/// "Long sequences"): a training step through flash was as fast as through the explicit maps or
-/// faster at every length tried (1.14–1.26× at 8 × 256, 0.99× at worst), with less memory;
-/// below 512 the recipes keep the explicit path they were validated on.
+/// `bench/long_context.sh` (d 256 × 4 layers, Flex, 2-core AMD EPYC with AVX-512; the book's
+/// Performance chapter, "Long sequences"): a training step through flash was as fast as through
+/// the explicit maps or faster at every length tried (1.14–1.26× at 8 × 256, 0.99× at worst),
+/// with less memory; below 512 the recipes keep the explicit path they were validated on.
 pub const FLASH_FROM_SEQ_LEN: usize = 512;
 
 fn default_attention_block() -> usize {
@@ -371,7 +371,110 @@ impl Default for CheckpointSection {
     }
 }
 
+/// The keys whose values name files or directories, with the values that name none. In a recipe
+/// file a relative path resolves against the file's folder (as `extends` does); in a built-in
+/// recipe or a `--set`, against the current directory.
+const PATH_KEYS: [(&str, &str, &[&str]); 3] = [
+    ("data", "corpus", &[diffzoo_datasets::corpus::EMBEDDED]),
+    ("data", "tokenizer", &["bpe"]),
+    ("training", "init_from", &[]),
+];
+
+/// Rewrites the relative paths of the recipe file `file`'s `table` onto the file's folder, `..`
+/// folded away (`exp/../data` is `data`). Not in a run directory's own recipe.toml (a run keeps
+/// its paths absolute; one written before kept them relative to where it was started), nor in
+/// the shipped recipes named by their path (`recipes/paper/…`: as the built-in recipes they are,
+/// their paths are the current directory's).
+fn rebase_paths(table: &mut toml::Table, file: &Path) {
+    let dir = file.parent().unwrap_or(Path::new(""));
+    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("recipes");
+    if dir.join(crate::run::CHECKPOINTS).is_dir()
+        || file
+            .canonicalize()
+            .is_ok_and(|f| shipped.canonicalize().is_ok_and(|s| f.starts_with(s)))
+    {
+        return;
+    }
+    for (section, key, special) in PATH_KEYS {
+        if let Some(toml::Value::String(value)) = table
+            .get_mut(section)
+            .and_then(|s| s.as_table_mut())
+            .and_then(|s| s.get_mut(key))
+            && !special.contains(&value.as_str())
+            && Path::new(value.as_str()).is_relative()
+        {
+            *value = folded(&dir.join(value.as_str())).display().to_string();
+        }
+    }
+}
+
+/// `path` with each `..` folded into the folder before it, where there is one.
+fn folded(path: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut out = PathBuf::new();
+    for part in path.components() {
+        match part {
+            Component::CurDir => {}
+            Component::ParentDir
+                if matches!(out.components().next_back(), Some(Component::Normal(_))) =>
+            {
+                out.pop();
+            }
+            part => out.push(part),
+        }
+    }
+    out
+}
+
 impl Recipe {
+    /// The values of the path keys that name a file or directory, mutably.
+    fn paths_mut(&mut self) -> Vec<(&'static str, &mut String)> {
+        let mut out = vec![("data.corpus", &mut self.data.corpus)];
+        out.extend(self.data.tokenizer.as_mut().map(|t| ("data.tokenizer", t)));
+        out.extend(
+            self.training
+                .init_from
+                .as_mut()
+                .map(|i| ("training.init_from", i)),
+        );
+        out.retain(|(key, value)| {
+            let special = PATH_KEYS
+                .iter()
+                .find(|(s, k, _)| format!("{s}.{k}") == *key)
+                .map_or(&[][..], |(_, _, special)| special);
+            !special.contains(&value.as_str())
+        });
+        out
+    }
+
+    /// The recipe with every path absolute, as a run directory stores it: the run's
+    /// `recipe.toml` then names the same files wherever it is read from.
+    pub fn with_absolute_paths(&self) -> Recipe {
+        let mut recipe = self.clone();
+        for (_, value) in recipe.paths_mut() {
+            if let Ok(path) = std::path::absolute(value.as_str()) {
+                *value = path.display().to_string();
+            }
+        }
+        recipe
+    }
+
+    /// A line for each path the recipe names that does not exist.
+    pub fn missing_paths(&self) -> Vec<String> {
+        let mut recipe = self.clone();
+        recipe
+            .paths_mut()
+            .into_iter()
+            .filter(|(_, value)| !Path::new(value.as_str()).exists())
+            .map(|(key, value)| {
+                format!(
+                    "`{key}` = {value:?} does not exist (a recipe file's relative paths resolve \
+                     against its folder, --set's against the current directory)"
+                )
+            })
+            .collect()
+    }
+
     /// Sequences per optimizer step.
     pub fn batch_sequences(&self) -> usize {
         self.training.batch_tokens / self.data.seq_len
@@ -826,6 +929,9 @@ fn load_layers(
     }
     let (source, text) = locate(name, relative_to)?;
     let mut table: toml::Table = text.parse().map_err(|e| anyhow!("{source}: {e}"))?;
+    if let Source::File(path) = &source {
+        rebase_paths(&mut table, path);
+    }
     let mut layers = Vec::new();
     if let Some(parent) = table.remove("extends") {
         let parent = parent
@@ -1457,6 +1563,45 @@ mod tests {
             let head_dim = diff.model.d_model / diff.model.heads;
             assert_eq!(head_dim, if size == "830m" { 96 } else { 128 });
         }
+    }
+
+    #[test]
+    fn a_recipe_files_relative_paths_resolve_against_its_folder_and_sets_against_the_current_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (sub, other) = (tmp.path().join("sub"), tmp.path().join("other"));
+        std::fs::create_dir_all(&sub).unwrap();
+        std::fs::create_dir_all(&other).unwrap();
+        std::fs::write(
+            sub.join("a.toml"),
+            "extends = \"tiny\"\n[data]\ncorpus = \"shards\"\n",
+        )
+        .unwrap();
+        std::fs::write(
+            other.join("b.toml"),
+            "extends = \"../sub/a\"\n[training]\ninit_from = \"/abs/base\"\n",
+        )
+        .unwrap();
+        let b = other.join("b.toml").display().to_string();
+        let r = resolve(&b, &["data.tokenizer=\"t.json\"".into()])
+            .unwrap()
+            .recipe;
+        assert_eq!(r.data.corpus, sub.join("shards").display().to_string());
+        assert_eq!(r.data.tokenizer.as_deref(), Some("t.json"));
+        assert_eq!(r.training.init_from.as_deref(), Some("/abs/base"));
+        let missing = r.missing_paths();
+        assert_eq!(missing.len(), 3, "{missing:?}");
+        assert!(missing[0].starts_with("`data.corpus`"), "{missing:?}");
+        let stored = r.with_absolute_paths();
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(
+            stored.data.tokenizer.as_deref(),
+            Some(cwd.join("t.json").display().to_string().as_str())
+        );
+        assert_eq!(folded(Path::new("a/./b/../../../c")), Path::new("../c"));
+        // The special values name no file.
+        let tiny = resolve("tiny", &[]).unwrap().recipe;
+        assert_eq!(tiny.with_absolute_paths(), tiny);
+        assert!(tiny.missing_paths().is_empty());
     }
 
     #[test]

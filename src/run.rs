@@ -39,6 +39,8 @@ pub const CHECKPOINTS: &str = "checkpoint";
 pub const FINAL_MODEL: &str = "model.bpk";
 pub const FINAL_SAFETENSORS: &str = "model.safetensors";
 pub const OUTCOME: &str = "outcome.json";
+/// A sweep directory's list of the runs it will hold, so that `watch` shows those not started.
+pub const SWEEP_PLAN: &str = "sweep.json";
 
 /// How a `train` of the run ended (`outcome.json`), and which process it was (the one
 /// `run.lock` names, unless another has claimed the run since); removed when the next one starts.
@@ -251,6 +253,19 @@ pub fn verified_checkpoints(run: &Path) -> Vec<Verified> {
 pub fn run_recipe(run: &Path) -> Result<Recipe> {
     let path = run.join(RECIPE);
     if !path.exists() {
+        let seeds = run_seeds(run);
+        if let Some(first) = seeds.first() {
+            let names: Vec<String> = seeds
+                .iter()
+                .filter_map(|s| Some(s.file_name()?.to_string_lossy().into_owned()))
+                .collect();
+            bail!(
+                "{} is a directory of runs over seeds ({}): this command takes one run, such as {}",
+                run.display(),
+                names.join(", "),
+                first.display()
+            );
+        }
         bail!("{} is not a run directory (no {RECIPE})", run.display());
     }
     recipe::from_run_file(&path)
@@ -355,7 +370,7 @@ pub fn load_weights(
     let record = || {
         ModuleRecord::load(&file)
             .map(ModuleRecord::cast_to_module_dtype)
-            .map_err(|e| anyhow!("{}: {e}", file.display()))
+            .map_err(|e| damaged(path, &weights, &e.to_string()))
     };
     // A final model holds a `Model`; a learner checkpoint a `Trainee` (the model under `model.`).
     let model = match config.init(device).try_load_record(record()?) {
@@ -369,6 +384,37 @@ pub fn load_weights(
         .map_err(|_| anyhow!("{}: {as_model}", file.display()))?,
     };
     Ok((model, weights))
+}
+
+/// Why `weights` of the run (or file) `path` cannot be read: Burn's error, and for a run's
+/// final model (truncated by a full disk, say) where the same or the latest weights still are.
+fn damaged(path: &Path, weights: &Weights, error: &str) -> anyhow::Error {
+    let file = match weights {
+        Weights::Final(f) | Weights::Checkpoint(_, f) | Weights::File(f) => f,
+    };
+    if !matches!(weights, Weights::Final(_)) {
+        return anyhow!(
+            "{}: cannot be read ({error}): truncated or damaged",
+            file.display()
+        );
+    }
+    let newest = checkpoint::newest_with_warnings(&path.join(CHECKPOINTS)).0;
+    let steps = run_recipe(path).ok().map(|r| r.total_steps());
+    let hint = match (newest, steps) {
+        (Some(c), Some(total)) if c.step == total => format!(
+            "checkpoint {} holds the same weights (step {}, the run's last): remove {FINAL_MODEL} and every command reads that checkpoint, and `train --resume` writes {FINAL_MODEL} again from it",
+            c.number, c.step
+        ),
+        (Some(c), _) => format!(
+            "the newest checkpoint that verifies is {} at step {}: remove {FINAL_MODEL} and `train --resume` trains on from it",
+            c.number, c.step
+        ),
+        (None, _) => "no checkpoint verifies either: the run must be trained again".into(),
+    };
+    anyhow!(
+        "{}: cannot be read ({error}): the final model is truncated or damaged; {hint}",
+        file.display()
+    )
 }
 
 /// Writes the final model as `model.safetensors`, then `model.bpk` (whose presence marks a
@@ -462,4 +508,31 @@ mod tests {
     fn ids(device: &Device) -> burn::tensor::Tensor<2, burn::tensor::Int> {
         burn::tensor::Tensor::from_data([[1, 5, 7, 19]], device)
     }
+}
+
+/// One run a sweep will train: its directory under the sweep's and its steps.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Planned {
+    pub name: String,
+    pub steps: usize,
+}
+
+/// Writes the sweep directory's `sweep.json` (the runs it will hold).
+pub fn write_sweep_plan(out: &Path, runs: &[Planned]) -> Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let path = out.join(SWEEP_PLAN);
+    let json = serde_json::to_string_pretty(&serde_json::json!({ "runs": runs }))?;
+    std::fs::write(&path, json + "\n").with_context(|| format!("writing {}", path.display()))
+}
+
+/// The runs a sweep directory's `sweep.json` lists (none where it has none or it does not read).
+pub fn sweep_plan(dir: &Path) -> Vec<Planned> {
+    #[derive(serde::Deserialize)]
+    struct Plan {
+        runs: Vec<Planned>,
+    }
+    std::fs::read(dir.join(SWEEP_PLAN))
+        .ok()
+        .and_then(|bytes| serde_json::from_slice::<Plan>(&bytes).ok())
+        .map_or_else(Vec::new, |plan| plan.runs)
 }

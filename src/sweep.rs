@@ -315,8 +315,13 @@ fn train_member(exe: &Path, run_dir: &Path, member: &Member, args: &SweepArgs) -
 pub fn run(args: &SweepArgs) -> Result<Outcome> {
     let args = &with_recipe_seeds(args)?;
     let mut members = members(args)?;
+    let mut planned = Vec::new();
     for member in &members {
-        recipe::resolve(&member.recipe, &[])?;
+        let steps = recipe::resolve(&member.recipe, &[])?.recipe.total_steps();
+        planned.push(run::Planned {
+            name: member.name.clone(),
+            steps,
+        });
     }
     let out = args
         .out
@@ -329,6 +334,7 @@ pub fn run(args: &SweepArgs) -> Result<Outcome> {
     if args.summarize {
         return summarize_and_fit(args, &members, &out).map(|()| Outcome::Done);
     }
+    run::write_sweep_plan(&out, &planned)?;
     if args.slurm {
         return slurm_jobs(args, &members, &out).map(|()| Outcome::Done);
     }
@@ -381,7 +387,9 @@ pub fn run(args: &SweepArgs) -> Result<Outcome> {
             args.sweep,
             seeds_suffix(args)
         );
-        return Ok(Outcome::Stopped);
+        return Ok(Outcome::Stopped(
+            signals::received().unwrap_or("a run stopped").to_string(),
+        ));
     }
     Ok(Outcome::Done)
 }

@@ -1,7 +1,9 @@
 //! `diffzoo watch DIR…`: many runs followed from their files — a sweep's directory, a Slurm
 //! array's output, run directories — in a terminal dashboard: a table of every run's state,
-//! progress, validation loss, throughput and time left, and the training loss of the marked runs
-//! overlaid, refreshed as the files grow. `--once` prints the table (or JSON) and exits.
+//! progress, validation loss, throughput and time left, and the training and validation loss of
+//! the marked runs overlaid, refreshed as the files grow: runs that appear under a directory
+//! later (a sweep's next run) join the table, and marked too when all are marked. `--once` prints
+//! the table (or JSON) and exits.
 //!
 //! A run's state comes from its directory: `model.bpk` (finished), `run.lock` held by a live
 //! `train` on this host (running; on another host, recent writes to `metrics.jsonl` say so),
@@ -111,6 +113,8 @@ struct Runs {
 struct Watched {
     name: String,
     steps: Option<usize>,
+    /// The steps its sweep's `sweep.json` plans (shown until its recipe.toml reads).
+    planned_steps: Option<usize>,
     log: LogFollower,
     /// Whether a checkpoint resumes the run, as of the checkpoint directory's modification time
     /// (verifying hashes every checkpoint: done again only when the directory changes).
@@ -135,7 +139,7 @@ impl Runs {
                     run::RECIPE
                 ));
             }
-            for path in found {
+            for (path, planned_steps) in found {
                 let name = path
                     .strip_prefix(dir)
                     .ok()
@@ -143,12 +147,14 @@ impl Runs {
                     .unwrap_or(&path)
                     .display()
                     .to_string();
-                self.runs.entry(path.clone()).or_insert_with(|| Watched {
+                let watched = self.runs.entry(path.clone()).or_insert_with(|| Watched {
                     name,
                     steps: None,
+                    planned_steps: None,
                     log: LogFollower::new(path.join(run::METRICS)),
                     resumable: None,
                 });
+                watched.planned_steps = planned_steps;
             }
         }
         for (dir, watched) in &mut self.runs {
@@ -159,16 +165,26 @@ impl Runs {
             watched.log.read();
         }
         self.rows = self.runs.iter_mut().map(|(dir, w)| row(dir, w)).collect();
+        for (row, watched) in self.rows.iter_mut().zip(self.runs.values()) {
+            row.steps = row.steps.or(watched.planned_steps);
+        }
         problems
     }
 }
 
-/// Run directories (those holding a recipe.toml) at or below `dir`, sorted.
-fn find_runs(dir: &Path) -> Vec<PathBuf> {
-    fn walk(dir: &Path, depth: usize, out: &mut Vec<PathBuf>) {
+/// Run directories (those holding a recipe.toml) at or below `dir`, and those a sweep
+/// directory's `sweep.json` plans but that are not there yet (with their planned steps), sorted.
+fn find_runs(dir: &Path) -> Vec<(PathBuf, Option<usize>)> {
+    fn walk(dir: &Path, depth: usize, out: &mut Vec<(PathBuf, Option<usize>)>) {
         if dir.join(run::RECIPE).is_file() {
-            out.push(dir.to_path_buf());
+            out.push((dir.to_path_buf(), None));
             return;
+        }
+        for planned in run::sweep_plan(dir) {
+            let path = dir.join(&planned.name);
+            if !path.join(run::RECIPE).is_file() {
+                out.push((path, Some(planned.steps)));
+            }
         }
         let Ok(entries) = std::fs::read_dir(dir) else {
             return;
@@ -186,6 +202,7 @@ fn find_runs(dir: &Path) -> Vec<PathBuf> {
     }
     let mut out = Vec::new();
     walk(dir, 4, &mut out);
+    out.sort();
     out
 }
 
@@ -290,6 +307,8 @@ struct LogFollower {
     /// Training loss by step; a resumed run's repeated steps replace what followed its
     /// checkpoint.
     losses: Vec<(f64, f64)>,
+    /// Validation loss by step, replaced the same way.
+    val_losses: Vec<(f64, f64)>,
     pace: Pace,
     modified: Option<SystemTime>,
     inode: Option<u64>,
@@ -307,6 +326,7 @@ impl LogFollower {
             best_val_loss: None,
             tokens_per_sec: None,
             losses: Vec::new(),
+            val_losses: Vec::new(),
             pace: Pace::default(),
             modified: None,
             inode: None,
@@ -344,16 +364,22 @@ impl LogFollower {
     }
 
     fn record(&mut self, r: Record) {
+        let step = r.step as f64;
+        let from = |points: &mut Vec<(f64, f64)>| {
+            let keep = points.partition_point(|&(s, _)| s < step);
+            points.truncate(keep);
+        };
         if r.split == "train" {
-            let step = r.step as f64;
-            let keep = self.losses.partition_point(|&(s, _)| s < step);
-            self.losses.truncate(keep);
+            from(&mut self.losses);
+            from(&mut self.val_losses);
             self.losses.extend(r.loss.map(|loss| (step, loss)));
             self.step = r.step;
             self.tokens = r.tokens_seen;
             self.tokens_per_sec = r.tokens_per_sec.or(self.tokens_per_sec);
             self.pace.step(r.step, r.elapsed_sec);
         } else {
+            from(&mut self.val_losses);
+            self.val_losses.extend(r.loss.map(|loss| (step, loss)));
             self.val_loss = r.loss;
             if let Some(loss) = r.loss {
                 self.best_val_loss = Some(self.best_val_loss.map_or(loss, |b| b.min(loss)));
@@ -497,7 +523,7 @@ fn dashboard(
     mut problems: Vec<String>,
 ) -> Result<()> {
     let mut selected = TableState::default().with_selected(Some(0));
-    let mut marked: Option<Vec<PathBuf>> = None;
+    let mut marks = Marks::All(Vec::new());
     let interval = Duration::from_secs_f64(args.interval);
     let mut next = std::time::Instant::now() + interval;
     loop {
@@ -506,8 +532,6 @@ fn dashboard(
             next = std::time::Instant::now() + interval;
         }
         let rows = &runs.rows;
-        let marked_dirs =
-            marked.get_or_insert_with(|| rows.iter().map(|r| r.dir.clone()).collect());
         terminal.draw(|frame| {
             let [top, bottom, note, help] = Layout::vertical([
                 Constraint::Length(rows.len() as u16 + 3),
@@ -524,7 +548,7 @@ fn dashboard(
                     _ => Color::Reset,
                 };
                 let mut cells = cells(r);
-                if marked_dirs.contains(&r.dir) {
+                if marks.holds(&r.dir) {
                     cells[0] = format!("● {}", cells[0]);
                 } else {
                     cells[0] = format!("  {}", cells[0]);
@@ -547,15 +571,18 @@ fn dashboard(
                 .block(Block::bordered().title(format!(" {} runs ", rows.len())));
             frame.render_stateful_widget(runs_table, top, &mut selected);
 
-            let curves: Vec<(&str, Vec<(f64, f64)>)> = runs
+            let curves: Vec<(&str, Points, Points)> = runs
                 .runs
                 .iter()
-                .filter(|(dir, _)| marked_dirs.contains(dir))
-                .map(|(_, w)| (w.name.as_str(), thinned(&w.log.losses, 1000)))
+                .filter(|(dir, _)| marks.holds(dir))
+                .map(|(_, w)| {
+                    let train = thinned(&w.log.losses, 1000);
+                    (w.name.as_str(), train, thinned(&w.log.val_losses, 1000))
+                })
                 .collect();
             let (mut x_max, mut y_min, mut y_max) = (1.0f64, f64::INFINITY, f64::NEG_INFINITY);
-            for (_, points) in &curves {
-                for &(x, y) in points {
+            for (_, train, validation) in &curves {
+                for &(x, y) in train.iter().chain(validation) {
                     x_max = x_max.max(x);
                     y_min = y_min.min(y);
                     y_max = y_max.max(y);
@@ -571,17 +598,28 @@ fn dashboard(
             let datasets = curves
                 .iter()
                 .enumerate()
-                .map(|(i, (name, points))| {
-                    Dataset::default()
-                        .name(name.to_string())
-                        .marker(symbols::Marker::Braille)
-                        .graph_type(GraphType::Line)
-                        .style(Style::default().fg(COLORS[i % COLORS.len()]))
-                        .data(points)
+                .flat_map(|(i, (name, train, validation))| {
+                    let style = Style::default().fg(COLORS[i % COLORS.len()]);
+                    [
+                        Dataset::default()
+                            .name(name.to_string())
+                            .marker(symbols::Marker::Braille)
+                            .graph_type(GraphType::Line)
+                            .style(style)
+                            .data(train),
+                        Dataset::default()
+                            .marker(symbols::Marker::Dot)
+                            .graph_type(GraphType::Scatter)
+                            .style(style.add_modifier(Modifier::BOLD))
+                            .data(validation),
+                    ]
                 })
                 .collect();
             let chart = Chart::new(datasets)
-                .block(Block::bordered().title(" training loss of the marked runs "))
+                .block(
+                    Block::bordered()
+                        .title(" loss of the marked runs: training (line), validation (dots) "),
+                )
                 .x_axis(Axis::default().title("step").bounds([0.0, x_max]).labels([
                     "0".to_string(),
                     format!("{:.0}", x_max / 2.0),
@@ -619,7 +657,7 @@ fn dashboard(
             && let Event::Key(key) = event::read()?
             && key.kind == KeyEventKind::Press
         {
-            let dirs: Vec<PathBuf> = rows.iter().map(|r| r.dir.clone()).collect();
+            let dirs: Vec<&PathBuf> = rows.iter().map(|r| &r.dir).collect();
             match key.code {
                 KeyCode::Char('q') | KeyCode::Esc => return Ok(()),
                 KeyCode::Char('c') if key.modifiers.contains(KeyModifiers::CONTROL) => {
@@ -629,19 +667,46 @@ fn dashboard(
                 KeyCode::Up | KeyCode::Char('k') => selected.select_previous(),
                 KeyCode::Char(' ') => {
                     if let Some(dir) = selected.selected().and_then(|i| dirs.get(i)) {
-                        match marked_dirs.iter().position(|d| d == dir) {
-                            Some(i) => drop(marked_dirs.remove(i)),
-                            None => marked_dirs.push(dir.clone()),
-                        }
+                        marks.toggle(dir);
                     }
                 }
-                KeyCode::Char('a') => *marked_dirs = dirs,
-                KeyCode::Char('n') => marked_dirs.clear(),
+                KeyCode::Char('a') => marks = Marks::All(Vec::new()),
+                KeyCode::Char('n') => marks = Marks::Only(Vec::new()),
                 _ => {}
             }
         }
     }
 }
+
+/// Which runs' curves are drawn. After `a` every run is, those that appear later too, but the
+/// ones unmarked since; after `n` only those marked since.
+#[derive(Debug, PartialEq)]
+enum Marks {
+    All(Vec<PathBuf>),
+    Only(Vec<PathBuf>),
+}
+
+impl Marks {
+    fn holds(&self, dir: &Path) -> bool {
+        match self {
+            Marks::All(except) => !except.iter().any(|d| d == dir),
+            Marks::Only(marked) => marked.iter().any(|d| d == dir),
+        }
+    }
+
+    fn toggle(&mut self, dir: &Path) {
+        let list = match self {
+            Marks::All(list) | Marks::Only(list) => list,
+        };
+        match list.iter().position(|d| d == dir) {
+            Some(i) => drop(list.remove(i)),
+            None => list.push(dir.to_path_buf()),
+        }
+    }
+}
+
+/// A curve: (step, loss) pairs.
+type Points = Vec<(f64, f64)>;
 
 /// At most about `max` of `points`, evenly spaced, the last kept.
 fn thinned(points: &[(f64, f64)], max: usize) -> Vec<(f64, f64)> {
@@ -698,6 +763,7 @@ mod tests {
         log.read();
         let steps: Vec<f64> = log.losses.iter().map(|p| p.0).collect();
         assert_eq!(steps, [1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(log.val_losses, [(4.0, 3.5)]);
         assert_eq!(log.losses[3].1, 8.0);
         assert_eq!((log.val_loss, log.best_val_loss), (Some(3.5), Some(3.25)));
         // The new process's pace: one step in 2 s.
@@ -706,6 +772,60 @@ mod tests {
         std::fs::write(&path, line("train", 1, 7.0, 1.0)).unwrap();
         log.read();
         assert_eq!((log.step, log.losses.len()), (1, 1));
+    }
+
+    #[test]
+    fn a_resumed_run_drops_the_validation_after_its_checkpoint_until_it_comes_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(run::METRICS);
+        let mut log = String::new();
+        for step in 1..=4 {
+            log += &line("train", step, 5.0, step as f64);
+            if step % 2 == 0 {
+                log += &line("validation", step, 3.0 + step as f64, step as f64);
+            }
+        }
+        // Resumed at step 2: the validation of step 4 is gone until step 4 is validated again.
+        log += &line("train", 3, 5.0, 0.5);
+        std::fs::write(&path, &log).unwrap();
+        let mut follower = LogFollower::new(path);
+        follower.read();
+        assert_eq!(follower.val_losses, [(2.0, 5.0)]);
+    }
+
+    #[test]
+    fn a_sweeps_planned_runs_are_listed_before_they_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let started = dir.path().join("a");
+        std::fs::create_dir_all(&started).unwrap();
+        std::fs::write(started.join(run::RECIPE), "").unwrap();
+        let plan = [("a", 20), ("b", 40)].map(|(name, steps)| run::Planned {
+            name: name.into(),
+            steps,
+        });
+        run::write_sweep_plan(dir.path(), &plan).unwrap();
+        let found = find_runs(dir.path());
+        assert_eq!(found, [(started, None), (dir.path().join("b"), Some(40))]);
+        let mut runs = Runs::default();
+        assert!(runs.refresh(&[dir.path().to_path_buf()]).is_empty());
+        let b = &runs.rows[1];
+        assert_eq!(
+            (b.run.as_str(), b.state.as_str(), b.steps),
+            ("b", "not started", Some(40))
+        );
+    }
+
+    #[test]
+    fn marking_all_marks_runs_that_appear_later_and_unmarking_one_keeps_the_rest() {
+        let (a, b, later) = (Path::new("a"), Path::new("b"), Path::new("later"));
+        let mut marks = Marks::All(Vec::new());
+        marks.toggle(b);
+        assert!(marks.holds(a) && !marks.holds(b) && marks.holds(later));
+        marks = Marks::Only(Vec::new());
+        marks.toggle(a);
+        assert!(marks.holds(a) && !marks.holds(b) && !marks.holds(later));
+        marks.toggle(a);
+        assert_eq!(marks, Marks::Only(Vec::new()));
     }
 
     #[test]

@@ -896,6 +896,78 @@ fn recipes_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("recipes")
 }
 
+/// `--resume --set training.steps=N` extends a finished run: with a constant rate it is exactly
+/// the run asked for N steps from the start; a shorter N is refused.
+#[test]
+fn a_finished_run_extends_to_more_steps_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let train = |out: &Path, steps: usize, resume: bool| {
+        let mut args = vec![
+            "train".to_string(),
+            "--recipe".into(),
+            "micro".into(),
+            "--no-dashboard".into(),
+            "--out".into(),
+            path(out).into(),
+        ];
+        for set in [
+            format!("training.steps={steps}"),
+            "schedule.decay=\"constant\"".into(),
+            "checkpoint.interval=8".into(),
+            "training.log_every=1".into(),
+        ] {
+            args.extend(["--set".to_string(), set]);
+        }
+        if resume {
+            args.push("--resume".into());
+        }
+        args
+    };
+    fn strs(args: &[String]) -> Vec<&str> {
+        args.iter().map(String::as_str).collect()
+    }
+    let whole = tmp.path().join("whole");
+    ok(&strs(&train(&whole, 20, false)));
+    let extended = tmp.path().join("extended");
+    ok(&strs(&train(&extended, 12, false)));
+    assert!(extended.join("model.bpk").exists());
+    let err = fails(&strs(&train(&extended, 12, true)));
+    assert!(
+        err.contains("has finished") && err.contains("training.steps"),
+        "{err}"
+    );
+    let err = fails(&strs(&train(&extended, 10, true)));
+    assert!(err.contains("shorten"), "{err}");
+    let stdout = ok(&strs(&train(&extended, 20, true)));
+    assert!(
+        stdout.contains("extending") && stdout.contains("from 12 to 20 steps"),
+        "{stdout}"
+    );
+    let (a, b) = (records(&whole, "train"), records(&extended, "train"));
+    assert_eq!(a.len(), 20);
+    assert_eq!(b.len(), 20, "each step logged once");
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x["step"], y["step"]);
+        let (p, q) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
+        assert!(
+            (p - q).abs() <= 1e-5 * p.abs(),
+            "step {}: {p} vs {q}",
+            x["step"]
+        );
+        assert_eq!(x["lr"], y["lr"]);
+    }
+    let recipe = std::fs::read_to_string(extended.join("recipe.toml")).unwrap();
+    assert!(recipe.contains("steps = 20"), "{recipe}");
+    assert!(extended.join("model.bpk").exists());
+    // A finished run whose last checkpoint is gone keeps its final model: no extension.
+    let pruned = tmp.path().join("pruned");
+    ok(&strs(&train(&pruned, 12, false)));
+    std::fs::remove_file(pruned.join("checkpoint/manifest-2.json")).unwrap();
+    let err = fails(&strs(&train(&pruned, 20, true)));
+    assert!(err.contains("holds step 8 of 12"), "{err}");
+    assert!(pruned.join("model.bpk").exists());
+}
+
 #[test]
 fn recipes_list_and_show() {
     let list: Value = serde_json::from_str(&ok(&["recipe", "list", "--json"])).unwrap();
@@ -921,6 +993,17 @@ fn recipes_list_and_show() {
             .iter()
             .all(|r| r["error"].is_null()),
         "every built-in recipe is valid"
+    );
+    let shown = ok(&[
+        "recipe",
+        "show",
+        "tiny",
+        "--set",
+        "data.corpus=\"no/such/shards\"",
+    ]);
+    assert!(
+        shown.contains("# warning: `data.corpus` = \"no/such/shards\" does not exist"),
+        "{shown}"
     );
     let show: Value =
         serde_json::from_str(&ok(&["recipe", "show", "tiny-transformer", "--json"])).unwrap();
@@ -1554,6 +1637,76 @@ fn data_parallel_training_is_refused_where_it_cannot_run() {
     assert!(!out.exists(), "a refused run leaves nothing behind");
 }
 
+/// A device that is compiled in but cannot start is an error naming it and the fix, not a
+/// panic: LibTorch CUDA on the CPU LibTorch CI builds with.
+#[cfg(feature = "tch")]
+#[test]
+fn a_device_that_cannot_start_is_an_error_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let err = fails(&[
+        "train",
+        "--recipe",
+        "micro",
+        "--no-dashboard",
+        "--device",
+        "tch-cuda:0",
+        "--out",
+        path(&out),
+    ]);
+    assert!(
+        err.contains("device `tch-cuda:0` is compiled in but does not start")
+            && err.contains("LIBTORCH")
+            && !err.contains("panicked"),
+        "{err}"
+    );
+    assert!(!out.exists(), "a refused run leaves nothing behind");
+}
+
+/// A reader that closes the output early ends a command quietly with status 0; a training run
+/// whose output goes away goes on and finishes, recording its outcome.
+#[test]
+fn a_closed_output_ends_quietly_and_training_goes_on() {
+    use std::process::Stdio;
+    let tmp = tempfile::tempdir().unwrap();
+    let read_a_line = |args: &[&str]| {
+        let mut child = common::command(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reading end closed at once: every print of the command fails.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        (
+            out.status,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (status, stderr) = read_a_line(&["recipe", "show", "paper/3b/diff-360b"]);
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("Broken pipe"),
+        "{stderr}"
+    );
+    let run = tmp.path().join("run");
+    let (status, stderr) = read_a_line(&[
+        "train",
+        "--recipe",
+        "micro",
+        "--no-dashboard",
+        "--set",
+        "training.log_every=1",
+        "--out",
+        path(&run),
+    ]);
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(run.join("model.bpk").exists());
+    let outcome = std::fs::read_to_string(run.join("outcome.json")).unwrap();
+    assert!(outcome.contains("\"finished\""), "{outcome}");
+}
+
 /// The line of a compare report that starts with `prefix`, and the difference it shows first.
 fn difference_line<'a>(md: &'a str, prefix: &str) -> (&'a str, f64) {
     let line = md
@@ -1767,6 +1920,43 @@ fn every_analysis_runs_on_micro_runs_and_compare_writes_a_report() {
         serde_json::from_str(&std::fs::read_to_string(report.join("results.json")).unwrap())
             .unwrap();
     assert_eq!(results[1]["attention"], "transformer");
+
+    // Short prompts: what does not fit is left out (or skipped), saying why, with the default
+    // needles; --only chooses the analyses (the loss always runs).
+    let short = dir.path().join("short");
+    ok(&[
+        "compare",
+        path(&diff),
+        path(&base),
+        "--out",
+        path(&short),
+        "--lengths",
+        "40",
+        "--samples",
+        "1",
+        "--depths",
+        "0",
+        "--attention-samples",
+        "1",
+        "--only",
+        "needle,attention",
+    ]);
+    let md = std::fs::read_to_string(short.join("report.md")).unwrap();
+    assert!(md.contains("do not fit prompts of [40] tokens"), "{md}");
+    assert!(
+        md.contains("not asked for (--only): position, outliers, quant, lambda"),
+        "{md}"
+    );
+    for (section, shown) in [
+        ("## NLL by position", false),
+        ("## Quantised attention logits", false),
+        ("## λ during training", false),
+    ] {
+        assert_eq!(md.contains(section), shown, "{section}:\n{md}");
+    }
+    assert!(md.contains("Validation loss diff − base"), "{md}");
+    let err = fails(&["compare", path(&diff), path(&base), "--only", "loss,speed"]);
+    assert!(err.contains("`speed` is not an analysis"), "{err}");
 }
 
 /// `train` over seeds (the recipe's `training.seeds`, or `--seeds`): each seed a run of its own
@@ -2047,6 +2237,19 @@ fn train_over_seeds_and_every_analysis_summarises_them() {
         err.contains("draws one run") && err.contains("--run ") && err.contains("seed-1"),
         "{err}"
     );
+    // Commands of one run, given the directory of seeds, say so and list them.
+    let hf = dir.path().join("hf");
+    for args in [
+        vec!["export", "hf", r, "--out", path(&hf)],
+        vec!["generate", "--run", r, "--max-tokens", "2"],
+    ] {
+        let err = fails(&args);
+        assert!(
+            err.contains("a directory of runs over seeds (seed-1, seed-2)")
+                && err.contains("seed-1"),
+            "{args:?}: {err}"
+        );
+    }
 }
 
 #[test]

@@ -274,6 +274,15 @@ fn signals_stop_at_a_step_with_a_checkpoint_and_resume_exactly() {
             (&Value::from("stopped"), &Value::from(true), Some(step)),
             "{row}"
         );
+        // outcome.json says why.
+        let outcome: Value =
+            serde_json::from_str(&std::fs::read_to_string(run.join("outcome.json")).unwrap())
+                .unwrap();
+        assert_eq!(
+            (&outcome["state"], &outcome["reason"]),
+            (&Value::from("stopped"), &Value::from(name)),
+            "{outcome}"
+        );
         status
     });
 }
@@ -464,6 +473,37 @@ fn a_torn_or_corrupted_newest_checkpoint_falls_back_to_the_one_before() {
             "{err}"
         );
     }
+
+    // A truncated final model names itself and the checkpoint holding the same weights; without
+    // it, commands read that checkpoint and a resume writes the final model again.
+    let run = tmp.path().join("truncated final");
+    copy_dir(&reference, &run);
+    let model = run.join("model.bpk");
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+    let err = fails(&["eval", "ppl", "--run", path(&run)]);
+    assert!(
+        err.contains("model.bpk")
+            && err.contains("truncated or damaged")
+            && err.contains("checkpoint 3 holds the same weights (step 30"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    std::fs::remove_file(&model).unwrap();
+    let loss = |run: &Path| -> Value {
+        let out: Value =
+            serde_json::from_str(&ok(&["eval", "ppl", "--run", path(run), "--json"])).unwrap();
+        out["loss"].clone()
+    };
+    let want = loss(&reference);
+    assert_eq!(loss(&run), want, "the checkpoint holds the final weights");
+    let log = train(&run, &sets, true);
+    assert!(
+        log.contains("resuming from checkpoint 3 (step 30)"),
+        "{log}"
+    );
+    assert!(model.exists());
+    assert_eq!(loss(&run), want);
 }
 
 #[test]

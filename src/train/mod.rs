@@ -125,10 +125,14 @@ pub fn configure_dtype(device: &mut Device, name: &str, spec: &str, setting: &st
 /// both values (the device and `training.recompute` may change on resume: neither changes the
 /// arithmetic).
 fn resume_conflicts(stored: &Recipe, given: &Recipe) -> Vec<String> {
+    // The length may grow (see `extend`); where it runs and whether it recomputes may change.
+    // Paths compare as absolute (a run's recipe.toml stores them so).
     let unplaced = |recipe: &Recipe| {
-        let mut recipe = recipe.clone();
+        let mut recipe = recipe.with_absolute_paths();
         recipe.training.device = String::new();
         recipe.training.recompute = Recompute::None;
+        recipe.training.steps = None;
+        recipe.training.tokens = None;
         recipe
     };
     let unset = || "unset".to_string();
@@ -187,7 +191,7 @@ fn prepare_run_dir(
             );
         }
         checkpoint::mark_format(&dir.join(run::CHECKPOINTS)).map_err(|e| anyhow!(e))?;
-        std::fs::write(&recipe_path, recipe.to_toml())
+        std::fs::write(&recipe_path, recipe.with_absolute_paths().to_toml())
             .with_context(|| format!("writing {}", recipe_path.display()))?;
         tokenizer.save(&dir.join(run::TOKENIZER))?;
         copy_tokenizer_files(dir, recipe, tokenizer)?;
@@ -202,6 +206,13 @@ fn prepare_run_dir(
             conflicts.join("\n  ")
         );
     }
+    let (was, now) = (stored.total_steps(), recipe.total_steps());
+    if now < was {
+        bail!(
+            "{} trains for {was} steps; resuming it with {now} would shorten it: a run can be extended (more steps), not cut (its schedule decays to its last step)",
+            recipe_path.display()
+        );
+    }
     let stored_tokenizer = run::run_tokenizer(dir)?;
     if stored_tokenizer.hash() != tokenizer.hash() {
         bail!(
@@ -211,9 +222,14 @@ fn prepare_run_dir(
             tokenizer.hash()
         );
     }
-    if dir.join(run::FINAL_MODEL).exists() {
+    let finished = dir.join(run::FINAL_MODEL).exists();
+    if finished && now == was {
+        let key = match stored.training.tokens {
+            Some(_) => "training.tokens",
+            None => "training.steps",
+        };
         bail!(
-            "{} has finished ({} exists)",
+            "{} has finished ({} exists): `--set {key}=N` with a larger N extends it",
             dir.display(),
             run::FINAL_MODEL
         );
@@ -221,14 +237,11 @@ fn prepare_run_dir(
     let checkpoints = dir.join(run::CHECKPOINTS);
     checkpoint::remove_temporaries(dir);
     checkpoint::remove_temporaries(&checkpoints);
-    let adopted = checkpoint::adopt_legacy(
-        &checkpoints,
-        recipe.checkpoint.interval,
-        recipe.total_steps(),
-    )
-    .map_err(|e| anyhow!(e))?;
+    // Legacy checkpoints are labelled by the run as it was trained, not as it is extended.
+    let adopted = checkpoint::adopt_legacy(&checkpoints, recipe.checkpoint.interval, was)
+        .map_err(|e| anyhow!(e))?;
     if !adopted.is_empty() {
-        println!(
+        say!(
             "checkpoints {adopted:?} had no manifests (written by an older diffzoo): manifests written for them as they are"
         );
     }
@@ -243,9 +256,48 @@ fn prepare_run_dir(
             }
         );
     };
+    if finished && now > was && newest.step != was {
+        bail!(
+            "{} has finished, but its newest checkpoint that verifies holds step {} of {was}: \
+             extending it would train again from there and drop the final model; export or copy \
+             the run first, or extend a copy",
+            dir.display(),
+            newest.step
+        );
+    }
     checkpoint::remove_unfinished(&checkpoints, newest.number).map_err(|e| anyhow!(e))?;
     truncate_log(&dir.join(run::METRICS), newest.step)?;
+    if now > was {
+        extend(dir, recipe, finished, was)?;
+    }
     Ok(newest)
+}
+
+/// Extends a run to the recipe's (larger) number of steps: the recipe is rewritten with it, and
+/// a finished run's final model, which its last checkpoint holds too, is removed (the run is
+/// unfinished again). From the step it is at, the run follows the schedule of a run of the new
+/// length: with `decay = "constant"` (or while still warming up) it is exactly the run that
+/// was asked for that many steps from the start; a decaying rate jumps to that schedule's value.
+fn extend(dir: &Path, recipe: &Recipe, finished: bool, was: usize) -> Result<()> {
+    if finished {
+        for name in [run::FINAL_MODEL, run::FINAL_SAFETENSORS] {
+            let path = dir.join(name);
+            if path.exists() {
+                std::fs::remove_file(&path)
+                    .with_context(|| format!("removing {}", path.display()))?;
+            }
+        }
+    }
+    let path = dir.join(run::RECIPE);
+    checkpoint::write_whole(&path, recipe.with_absolute_paths().to_toml().as_bytes())
+        .with_context(|| format!("writing {}", path.display()))?;
+    say!(
+        "extending {} from {was} to {} steps (the schedule of a {}-step run from here on)",
+        dir.display(),
+        recipe.total_steps(),
+        recipe.total_steps()
+    );
+    Ok(())
 }
 
 /// Drops metrics logged after `step` (by a run killed after its last checkpoint), and a line a
@@ -300,7 +352,7 @@ pub fn run(args: &TrainArgs) -> Result<Outcome> {
     if let Some((dir, lock)) = claimed {
         let end = match &result {
             Ok(Outcome::Done) => RunEnd::new("finished", None),
-            Ok(Outcome::Stopped) => RunEnd::new("stopped", None),
+            Ok(Outcome::Stopped(why)) => RunEnd::new("stopped", Some(why.clone())),
             Err(e) => RunEnd::new("failed", Some(format!("{e:#}"))),
         };
         if let Err(e) = end.write(&dir) {
@@ -377,6 +429,17 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
                 conflicts.join("\n  ")
             );
         }
+        // One length for every seed of the directory: an extension covers them all.
+        let (was, now) = (stored.total_steps(), given.recipe.total_steps());
+        let listed = seeds.contains(&stored.training.seed);
+        if now < was || (now > was && !listed) {
+            bail!(
+                "{} trains for {was} steps, this recipe for {now}: the seeds of {} share one \
+                 length (extend every seed at once, listing each in --seeds)",
+                dir.display(),
+                out.display()
+            );
+        }
     }
     let mut skip = Vec::with_capacity(seeds.len());
     for &seed in seeds {
@@ -388,24 +451,32 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
                 dir.display()
             );
         }
-        skip.push(holds_run && dir.join(run::FINAL_MODEL).exists());
+        // A finished seed is skipped unless this recipe extends it.
+        let finished = holds_run
+            && dir.join(run::FINAL_MODEL).exists()
+            && run::run_recipe(&dir)?.total_steps()
+                == recipe::resolve(&args.recipe, &seed_args(seed).overrides)?
+                    .recipe
+                    .total_steps();
+        skip.push(finished);
     }
     for (&seed, skip) in seeds.iter().zip(skip) {
         let dir = run::seed_dir(&out, seed);
         if skip {
-            println!("seed {seed}: {} has finished", dir.display());
+            say!("seed {seed}: {} has finished", dir.display());
             continue;
         }
         if signals::received().is_some() {
-            println!("stopped before seed {seed}; the same command with --resume continues");
-            return Ok(Outcome::Stopped);
+            say!("stopped before seed {seed}; the same command with --resume continues");
+            let why = signals::received().unwrap_or("a signal");
+            return Ok(Outcome::Stopped(format!("{why} before seed {seed}")));
         }
-        println!("seed {seed}: training into {}", dir.display());
+        say!("seed {seed}: training into {}", dir.display());
         let mut one = seed_args(seed);
         one.resume = args.resume && resume_or_clear(&dir)?;
-        if matches!(run(&one)?, Outcome::Stopped) {
-            println!("stopped at seed {seed}; the same command with --resume continues");
-            return Ok(Outcome::Stopped);
+        if let Outcome::Stopped(why) = run(&one)? {
+            say!("stopped at seed {seed}; the same command with --resume continues");
+            return Ok(Outcome::Stopped(format!("seed {seed}: {why}")));
         }
     }
     let losses: Option<Vec<f64>> = seeds
@@ -415,7 +486,7 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
     match losses {
         Some(losses) => {
             let e = crate::stats::estimate(&losses);
-            println!(
+            say!(
                 "{}: validation loss over {} seeds {:.4}{}",
                 out.display(),
                 e.n,
@@ -423,7 +494,7 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
                 e.spread(4, "seeds")
             );
         }
-        None => println!("{}: a seed has no validation loss logged", out.display()),
+        None => say!("{}: a seed has no validation loss logged", out.display()),
     }
     Ok(Outcome::Done)
 }
@@ -434,13 +505,13 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
     let recipe = &resolved.recipe;
     let dashboard = !args.no_dashboard && std::io::stdout().is_terminal();
     if !args.no_dashboard && !dashboard {
-        println!(
+        say!(
             "the dashboard is off: standard output is not a terminal; a line every {} steps (training.log_every)",
             recipe.training.log_every
         );
     }
     for note in &resolved.notes {
-        println!("{}: {note}", resolved.source);
+        say!("{}: {note}", resolved.source);
     }
     let specs = match (&args.device, args.devices.is_empty()) {
         (_, false) => args.devices.iter().map(|d| d.trim().to_string()).collect(),
@@ -450,10 +521,9 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
     let ranks = specs.len();
     let shares = loader::shares(recipe.accumulation(), ranks)
         .map_err(|e| anyhow!("{}: --devices {}: {e}", resolved.source, specs.join(",")))?;
-    let mut devices = device::parse_data_parallel(&specs)?;
-    for (device, spec) in devices.iter_mut().zip(&specs) {
-        configure_dtype(device, &recipe.training.dtype, spec, "training.dtype")?;
-    }
+    let devices = device::parse_data_parallel(&specs, |device, spec| {
+        configure_dtype(device, &recipe.training.dtype, spec, "training.dtype")
+    })?;
     let device = devices[0].clone();
     let spec = specs.join(",");
     let dir = args
@@ -466,7 +536,7 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
         let (files, bytes) = shards
             .verify()
             .with_context(|| format!("`data.corpus` = {:?}", recipe.data.corpus))?;
-        println!(
+        say!(
             "verified {files} shard files ({bytes} bytes) of {}",
             shards.dir.display()
         );
@@ -518,7 +588,7 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
             let (model, weights) =
                 run::load_weights(Path::new(path), &recipe.model_config(), &train_device)
                     .with_context(|| format!("`training.init_from` of {}", resolved.source))?;
-            println!("initialised from {weights}");
+            say!("initialised from {weights}");
             model
         }
         _ => recipe.model_config().init(&train_device),
@@ -569,7 +639,7 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
         context: Some(context.clone()),
     };
     let params = recipe.model_config().param_count();
-    println!(
+    say!(
         "{}: {} model, {:.2}M parameters ({:.2}M non-embedding), {total} steps of {} tokens ({} micro-batches of {micro} × {seq}) on {spec}; run directory {}",
         resolved.name,
         recipe.model.attention,
@@ -580,19 +650,20 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
         dir.display()
     );
     if recipe.training.recompute == Recompute::Block {
-        println!(
+        say!(
             "blocks recomputed in the backward pass (training.recompute = \"block\"): each keeps only its input, one more forward pass per step"
         );
     }
     if ranks > 1 {
-        println!(
+        say!(
             "data parallel over {ranks} devices: {shares} micro-batches each per step, gradients averaged by all-reduce"
         );
     }
     if resume_from.number > 0 {
-        println!(
+        say!(
             "resuming from checkpoint {} (step {})",
-            resume_from.number, resume_from.step
+            resume_from.number,
+            resume_from.step
         );
     }
 
@@ -704,15 +775,15 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
             .iter()
             .map(|o| format!(" --set {o}"))
             .collect();
-        println!(
+        say!(
             "stopped at step {done} ({why}); continue with `diffzoo train --recipe {}{sets} --out {} --resume`",
             args.recipe,
             dir.display()
         );
-        return Ok(Outcome::Stopped);
+        return Ok(Outcome::Stopped(why));
     }
     run::save_final(&dir, &model.model)?;
-    println!("done: {}", dir.join(run::FINAL_MODEL).display());
+    say!("done: {}", dir.join(run::FINAL_MODEL).display());
     Ok(Outcome::Done)
 }
 

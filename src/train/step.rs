@@ -283,7 +283,7 @@ impl StepContext {
                 (now - first_end).as_secs_f64(),
             )
             .map_or_else(|| "ETA …".to_string(), |s| format!("ETA {}", clock(s)));
-            println!(
+            say!(
                 "step {:>6}/{} | loss {:.4} | ppl {:>8.2} | lr {:.3e} | grad norm {:.3} | {:.0} tok/s | {} elapsed, {remaining}{lambdas}",
                 step + 1,
                 self.total_steps,
@@ -320,7 +320,7 @@ impl StepContext {
         };
         self.control.pause(done, &reason);
         if self.print_every.is_some() {
-            println!(
+            say!(
                 "{reason}: stopping after step {done} and writing a checkpoint (a second SIGINT or SIGTERM exits at once)"
             );
         }
@@ -357,7 +357,7 @@ impl StepContext {
                 .fail(format!("cannot write the metrics log: {e}"));
         }
         if self.print_every.is_some() {
-            println!(
+            say!(
                 "step {step:>6}/{} | validation loss {loss:.4} | ppl {:.2} (its first {} batches; `diffzoo eval ppl` scores the whole split)",
                 self.total_steps,
                 loss.exp(),
