@@ -93,15 +93,16 @@ enum Command {
 
 #[derive(Subcommand)]
 enum ImportCommand {
-    /// A Hugging Face transformers checkpoint (LlamaForCausalLM, DiffLlamaForCausalLM, or a
-    /// diffzoo DIFF V2 export).
+    /// A Hugging Face transformers checkpoint (LlamaForCausalLM, MistralForCausalLM,
+    /// Qwen2ForCausalLM, DiffLlamaForCausalLM, or a diffzoo DIFF V2 export).
     Hf(hf::import::ImportArgs),
 }
 
 #[derive(Subcommand)]
 enum ExportCommand {
-    /// A directory transformers loads: LlamaForCausalLM, DiffLlamaForCausalLM, or DIFF V2 with
-    /// its own modeling file (trust_remote_code).
+    /// A directory transformers loads, in the run's own class (LlamaForCausalLM,
+    /// MistralForCausalLM, Qwen2ForCausalLM, DiffLlamaForCausalLM), or DIFF V2 with its own
+    /// modeling file (trust_remote_code).
     Hf(hf::export::ExportArgs),
 }
 
