@@ -359,6 +359,10 @@ pub struct CheckpointSection {
     pub keep: usize,
     /// Validation micro-batches per evaluation.
     pub eval_batches: usize,
+    /// Also write the final weights as `model.safetensors` (Burn's names), a second copy for
+    /// tools that read safetensors; `export hf` writes transformers' own layout either way.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub safetensors: bool,
 }
 
 impl Default for CheckpointSection {
@@ -367,6 +371,7 @@ impl Default for CheckpointSection {
             interval: 1000,
             keep: 2,
             eval_batches: 16,
+            safetensors: false,
         }
     }
 }

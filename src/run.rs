@@ -372,7 +372,9 @@ pub fn load_weights(
             .map(ModuleRecord::cast_to_module_dtype)
             .map_err(|e| damaged(path, &weights, &e.to_string()))
     };
-    // A final model holds a `Model`; a learner checkpoint a `Trainee` (the model under `model.`).
+    // A `Model` (an imported run's final model, a model file), or a learner checkpoint's
+    // `Trainee` (the model under `model.`; a trained run's final model is its last checkpoint's).
+    // Of two failures, the one that is not about the other layout's names is the one to tell.
     let model = match config.init(device).try_load_record(record()?) {
         Ok(model) => model,
         Err(as_model) => Trainee {
@@ -381,7 +383,13 @@ pub fn load_weights(
         }
         .try_load_record(record()?)
         .map(|t| t.model)
-        .map_err(|_| anyhow!("{}: {as_model}", file.display()))?,
+        .map_err(|as_trainee| {
+            let why = match as_model.to_string().contains("Missing tensors") {
+                true => as_trainee.to_string(),
+                false => as_model.to_string(),
+            };
+            anyhow!("{}: {why}", file.display())
+        })?,
     };
     Ok((model, weights))
 }
@@ -417,21 +425,37 @@ fn damaged(path: &Path, weights: &Weights, error: &str) -> anyhow::Error {
     )
 }
 
-/// Writes the final model as `model.safetensors`, then `model.bpk` (whose presence marks a
-/// finished run), each to a temporary name renamed into place: a crash leaves no torn file.
-/// Both get the mode any new file gets (0644 under the usual umask 022; where /proc tells the
-/// umask): Burn's store creates its file for its owner only.
-pub fn save_final(run: &Path, model: &Model) -> Result<()> {
+/// Writes the final model: `model.bpk`, whose presence marks a finished run, and with
+/// `safetensors` also `model.safetensors`, each to a temporary name renamed into place (a crash
+/// leaves no torn file). `model.bpk` is a second name (a hard link) of `checkpoint`, the final
+/// checkpoint's verified model file, where there is one: one copy of the final weights on disk,
+/// and the checkpoint stays whole for an extension to resume from. Files get the mode any new
+/// file gets (0644 under the usual umask 022; where /proc tells the umask): Burn's store creates
+/// its file for its owner only.
+pub fn save_final(
+    run: &Path,
+    model: &Model,
+    checkpoint: Option<&Path>,
+    safetensors: bool,
+) -> Result<()> {
     use burn::store::{ModuleSnapshot, SafetensorsStore};
-    let safetensors = run.join(FINAL_SAFETENSORS);
-    let tmp = run.join("model.safetensors.tmp");
-    let mut store = SafetensorsStore::from_file(&tmp).overwrite(true);
-    model
-        .save_into(&mut store)
-        .map_err(|e| anyhow!("{}: {e}", tmp.display()))?;
-    publish(&tmp, &safetensors)?;
+    if safetensors {
+        let tmp = run.join("model.safetensors.tmp");
+        let mut store = SafetensorsStore::from_file(&tmp).overwrite(true);
+        model
+            .save_into(&mut store)
+            .map_err(|e| anyhow!("{}: {e}", tmp.display()))?;
+        publish(&tmp, &run.join(FINAL_SAFETENSORS))?;
+    }
     let bpk = run.join(FINAL_MODEL);
     let tmp = run.join("model.bpk.tmp");
+    let _ = std::fs::remove_file(&tmp);
+    if let Some(checkpoint) = checkpoint
+        && std::fs::hard_link(checkpoint, &tmp).is_ok()
+    {
+        return std::fs::rename(&tmp, &bpk)
+            .with_context(|| format!("renaming {} to {}", tmp.display(), bpk.display()));
+    }
     model
         .clone()
         .save_file(&tmp)
@@ -458,6 +482,33 @@ fn new_file_mode() -> Option<u32> {
     Some(0o666 & !u32::from_str_radix(umask.trim(), 8).ok()?)
 }
 
+/// One run a sweep will train: its directory under the sweep's and its steps.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Planned {
+    pub name: String,
+    pub steps: usize,
+}
+
+/// Writes the sweep directory's `sweep.json` (the runs it will hold).
+pub fn write_sweep_plan(out: &Path, runs: &[Planned]) -> Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let path = out.join(SWEEP_PLAN);
+    let json = serde_json::to_string_pretty(&serde_json::json!({ "runs": runs }))?;
+    std::fs::write(&path, json + "\n").with_context(|| format!("writing {}", path.display()))
+}
+
+/// The runs a sweep directory's `sweep.json` lists (none where it has none or it does not read).
+pub fn sweep_plan(dir: &Path) -> Vec<Planned> {
+    #[derive(serde::Deserialize)]
+    struct Plan {
+        runs: Vec<Planned>,
+    }
+    std::fs::read(dir.join(SWEEP_PLAN))
+        .ok()
+        .and_then(|bytes| serde_json::from_slice::<Plan>(&bytes).ok())
+        .map_or_else(Vec::new, |plan| plan.runs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -471,7 +522,7 @@ mod tests {
         let config = ModelConfig::new(AttentionKind::Diff, 16, 2, 2, 20, 8);
         device.seed(1);
         let model = config.init(&device);
-        save_final(dir.path(), &model).unwrap();
+        save_final(dir.path(), &model, None, true).unwrap();
         let names: Vec<String> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -505,34 +556,31 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_final_model_is_the_final_checkpoints_file_under_a_second_name() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let device = Device::flex();
+        let config = ModelConfig::new(AttentionKind::Diff, 16, 2, 2, 20, 8);
+        device.seed(1);
+        let model = config.init(&device);
+        let checkpoint = dir.path().join("model-1.bpk");
+        model.clone().save_file(&checkpoint).unwrap();
+        save_final(dir.path(), &model, Some(&checkpoint), false).unwrap();
+        let inode = |name: &str| std::fs::metadata(dir.path().join(name)).unwrap().ino();
+        assert_eq!(inode(FINAL_MODEL), inode("model-1.bpk"), "one copy on disk");
+        assert!(!dir.path().join(FINAL_SAFETENSORS).exists());
+        device.seed(2);
+        let (loaded, weights) = load_weights(dir.path(), &config, &device).unwrap();
+        assert!(matches!(weights, Weights::Final(_)));
+        let diff = (loaded.forward(ids(&device)) - model.forward(ids(&device)))
+            .abs()
+            .max()
+            .into_scalar::<f32>();
+        assert_eq!(diff, 0.0);
+    }
+
     fn ids(device: &Device) -> burn::tensor::Tensor<2, burn::tensor::Int> {
         burn::tensor::Tensor::from_data([[1, 5, 7, 19]], device)
     }
-}
-
-/// One run a sweep will train: its directory under the sweep's and its steps.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Planned {
-    pub name: String,
-    pub steps: usize,
-}
-
-/// Writes the sweep directory's `sweep.json` (the runs it will hold).
-pub fn write_sweep_plan(out: &Path, runs: &[Planned]) -> Result<()> {
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let path = out.join(SWEEP_PLAN);
-    let json = serde_json::to_string_pretty(&serde_json::json!({ "runs": runs }))?;
-    std::fs::write(&path, json + "\n").with_context(|| format!("writing {}", path.display()))
-}
-
-/// The runs a sweep directory's `sweep.json` lists (none where it has none or it does not read).
-pub fn sweep_plan(dir: &Path) -> Vec<Planned> {
-    #[derive(serde::Deserialize)]
-    struct Plan {
-        runs: Vec<Planned>,
-    }
-    std::fs::read(dir.join(SWEEP_PLAN))
-        .ok()
-        .and_then(|bytes| serde_json::from_slice::<Plan>(&bytes).ok())
-        .map_or_else(Vec::new, |plan| plan.runs)
 }

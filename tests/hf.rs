@@ -527,6 +527,9 @@ fn train(recipe: &str, overrides: &[&str], out: &Path) {
         "schedule.warmup_steps=1",
         "--set",
         "checkpoint.interval=4",
+        // The tests compare the run's weights, by Burn's names, with what comes back.
+        "--set",
+        "checkpoint.safetensors=true",
     ];
     for o in overrides {
         args.extend(["--set", o]);

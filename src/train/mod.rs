@@ -782,7 +782,17 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
         );
         return Ok(Outcome::Stopped(why));
     }
-    run::save_final(&dir, &model.model)?;
+    // The final checkpoint's model file becomes the final model (one copy on disk).
+    let last = checkpoints.newest().filter(|c| c.step == total).map(|c| {
+        dir.join(run::CHECKPOINTS)
+            .join(checkpoint::part_name("model", c.number))
+    });
+    run::save_final(
+        &dir,
+        &model.model,
+        last.as_deref(),
+        recipe.checkpoint.safetensors,
+    )?;
     say!("done: {}", dir.join(run::FINAL_MODEL).display());
     Ok(Outcome::Done)
 }
