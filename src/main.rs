@@ -174,6 +174,7 @@ enum DataCommand {
 }
 
 fn main() {
+    cpu_default_device();
     allocator::tune();
     quiet_broken_pipe();
     match dispatch(Cli::parse()) {
@@ -183,6 +184,25 @@ fn main() {
             eprintln!("error: {e:#}");
             std::process::exit(1);
         }
+    }
+}
+
+/// Makes Burn's default device the CPU one, unless `BURN_DEVICE` says otherwise. diffzoo gives
+/// every tensor it makes a device of its own choosing (`--device`), but Burn materialises a
+/// device-free record on its default device — a resumed run's optimizer state, before it moves to
+/// each parameter's device — and that default is the first GPU backend compiled in: a resume on
+/// the CPU of a `--features wgpu` build started a Vulkan instance for it (Mesa then printed
+/// `XDG_RUNTIME_DIR is invalid` over the dashboard), and with `cuda` compiled in, a CUDA one.
+fn cpu_default_device() {
+    let cpu = match (cfg!(feature = "flex"), cfg!(feature = "ndarray")) {
+        (true, _) => "flex",
+        (false, true) => "ndarray",
+        (false, false) => return,
+    };
+    if std::env::var_os("BURN_DEVICE").is_none() {
+        // SAFETY: the first thing `main` does, while the process has one thread and nothing
+        // reads the environment concurrently.
+        unsafe { std::env::set_var("BURN_DEVICE", cpu) };
     }
 }
 

@@ -1641,6 +1641,34 @@ fn data_parallel_training_is_refused_where_it_cannot_run() {
     assert!(!out.exists(), "a refused run leaves nothing behind");
 }
 
+/// A resumed CPU run of a build with WGPU compiled in starts no GPU backend: Burn's default
+/// device (where it puts a resumed optimizer state first) is the CPU's. Where a Vulkan instance
+/// starts without XDG_RUNTIME_DIR, as in CI, Mesa says so on stderr.
+#[cfg(feature = "wgpu")]
+#[test]
+fn a_resumed_cpu_run_starts_no_gpu_backend() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    ok(&["train", "--recipe", "micro", "--out", path(&run)]);
+    let out = common::command(&[
+        "train",
+        "--recipe",
+        "micro",
+        "--out",
+        path(&run),
+        "--resume",
+        "--set",
+        "training.steps=30",
+    ])
+    .env_remove("BURN_DEVICE")
+    .env_remove("XDG_RUNTIME_DIR")
+    .output()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("XDG_RUNTIME_DIR"), "{stderr}");
+}
+
 /// A device that is compiled in but cannot start is an error naming it and the fix, not a
 /// panic: LibTorch CUDA on the CPU LibTorch CI builds with.
 #[cfg(feature = "tch")]
