@@ -14,6 +14,7 @@
 
 pub mod checkpoint;
 pub mod control;
+mod dashboard;
 pub mod grads;
 pub mod loader;
 pub mod lock;
@@ -725,10 +726,15 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
     signals::install(dashboard);
     // The dashboard's stop goes through the context, which pauses every device at one step.
     training = training.renderer(if dashboard {
-        default_renderer(
-            context.requests(),
-            (resume_from.number > 0).then_some(resume_from.number),
-        )
+        Box::new(dashboard::Global::new(
+            default_renderer(
+                context.requests(),
+                dashboard::Global::intervals_before(&intervals),
+            ),
+            intervals,
+            ranks,
+            format!("{} ({})", resolved.name, dir.display()),
+        ))
     } else {
         Box::new(quiet::QuietRenderer)
     });
