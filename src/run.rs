@@ -11,7 +11,8 @@
 //!                      last K kept; `format` marks checkpoints that have manifests
 //!   run.lock           held by the `train` writing the run (its process id and host inside)
 //!   outcome.json       how the last `train` ended: finished, stopped or failed (with why)
-//!   model.bpk          the final model (Burn's format) and model.safetensors (same weights)
+//!   model.bpk          the final model (Burn's format): a hard link to the last checkpoint's
+//!                      model file; model.safetensors too with `checkpoint.safetensors`
 //!   import.json        where an imported run's weights came from (`diffzoo import hf`), and
 //!                      the config keys transformers does not read that it ignored
 //!   tokenizer_config.json, chat_template.jinja, special_tokens_map.json, generation_config.json

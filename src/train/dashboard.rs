@@ -57,6 +57,11 @@ impl Global {
         step / self.intervals.interval + 1
     }
 
+    /// The first step of the run's interval holding `step`.
+    fn interval_start(&self, step: usize) -> usize {
+        (self.interval_of(step) - 1) * self.intervals.interval
+    }
+
     fn first_step(&self, epoch: usize) -> usize {
         self.intervals.steps(epoch).0
     }
@@ -90,7 +95,11 @@ impl TrainingProgressLogger for Global {
     fn start_split(&mut self, split_name: &str, total_items: usize) {
         self.training = split_name == "train";
         let items = match self.training {
-            true => self.intervals.interval,
+            // The steps of the current interval (the last may be shorter).
+            true => {
+                let start = self.interval_start(self.first_step(self.epoch));
+                (start + self.intervals.interval).min(self.intervals.total) - start
+            }
             false => total_items,
         };
         self.inner.start_split(split_name, items);
@@ -101,7 +110,7 @@ impl TrainingProgressLogger for Global {
             return self.inner.update_split(items_processed);
         }
         let first = self.first_step(self.epoch);
-        let start = (self.interval_of(first) - 1) * self.intervals.interval;
+        let start = self.interval_start(first);
         self.inner
             .update_split(first + items_processed / self.ranks - start);
     }
@@ -248,12 +257,17 @@ mod tests {
     /// Drives the renderer as the learner does for a run of 240 steps in intervals of 80, from
     /// `first_step` (its learner epoch `first_epoch`) on `ranks` devices; what it showed at each
     /// global step.
-    fn shown(first_epoch: usize, first_step: usize, ranks: usize) -> Vec<(usize, [usize; 4])> {
+    fn shown(
+        total: usize,
+        first_epoch: usize,
+        first_step: usize,
+        ranks: usize,
+    ) -> Vec<(usize, [usize; 4])> {
         let intervals = Intervals {
             first_epoch,
             first_step,
             interval: 80,
-            total: 240,
+            total,
         };
         let seen = Arc::new(Mutex::new(Shown::default()));
         let mut global = Global::new(
@@ -289,15 +303,24 @@ mod tests {
 
     #[test]
     fn a_resumed_run_shows_what_the_same_step_of_a_fresh_run_showed() {
-        let fresh = shown(1, 0, 1);
+        let fresh = shown(240, 1, 0, 1);
         assert_eq!(fresh.len(), 240);
         assert_eq!(fresh[49], (50, [1, 3, 50, 80]));
         assert_eq!(fresh[129], (130, [2, 3, 50, 80]));
-        // Resumed at step 50 (a pause in the first interval, checkpoint 1) and at 130 on 2 GPUs.
-        for resumed in [shown(2, 50, 1), shown(3, 130, 2)] {
+        // Resumed at step 50 (a pause in the first interval, checkpoint 1), at 130 on 2 GPUs,
+        // and at an interval's end (checkpoint 2).
+        for resumed in [
+            shown(240, 2, 50, 1),
+            shown(240, 3, 130, 2),
+            shown(240, 3, 160, 1),
+        ] {
             let first = resumed[0].0;
             assert_eq!(resumed, fresh[first - 1..], "resumed at step {first}");
         }
+        // A last interval shorter than the others fills.
+        let short = shown(250, 1, 0, 1);
+        assert_eq!(short[249], (250, [4, 4, 10, 10]));
+        assert_eq!(shown(250, 3, 245, 1), short[245..]);
         assert_eq!(
             Global::intervals_before(&Intervals {
                 first_epoch: 2,

@@ -132,6 +132,7 @@ fn resume_conflicts(stored: &Recipe, given: &Recipe) -> Vec<String> {
         let mut recipe = recipe.with_absolute_paths();
         recipe.training.device = String::new();
         recipe.training.recompute = Recompute::None;
+        recipe.checkpoint.safetensors = false;
         recipe.training.steps = None;
         recipe.training.tokens = None;
         recipe
@@ -525,6 +526,17 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
     let devices = device::parse_data_parallel(&specs, |device, spec| {
         configure_dtype(device, &recipe.training.dtype, spec, "training.dtype")
     })?;
+    // Burn puts a resumed run's optimizer state on its default device (the CPU's: see
+    // `cpu_default_device` in main.rs) before moving it to each parameter's: in the run's dtype.
+    let mut default = Device::default();
+    if args.resume && default != devices[0] {
+        configure_dtype(
+            &mut default,
+            &recipe.training.dtype,
+            "Burn's default (BURN_DEVICE)",
+            "training.dtype",
+        )?;
+    }
     let device = devices[0].clone();
     let spec = specs.join(",");
     let dir = args
