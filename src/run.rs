@@ -374,23 +374,49 @@ pub fn load_weights(
             .map_err(|e| damaged(path, &weights, &e.to_string()))
     };
     // A `Model` (an imported run's final model, a model file), or a learner checkpoint's
-    // `Trainee` (the model under `model.`; a trained run's final model is its last checkpoint's).
-    // Of two failures, the one that is not about the other layout's names is the one to tell.
-    let model = match config.init(device).try_load_record(record()?) {
-        Ok(model) => model,
-        Err(as_model) => Trainee {
+    // `Trainee` (the model under `model.`): a checkpoint, and a trained run's final model, which
+    // is its last checkpoint's file under a second name. The likely layout is tried first; of
+    // two failures, the one that is not about the other layout's names is the one to tell.
+    let as_model = || -> Result<std::result::Result<Model, String>> {
+        Ok(config
+            .init(device)
+            .try_load_record(record()?)
+            .map_err(|e| e.to_string()))
+    };
+    let as_trainee = || -> Result<std::result::Result<Model, String>> {
+        let trainee = Trainee {
             model: config.init(device),
             context: None,
-        }
-        .try_load_record(record()?)
-        .map(|t| t.model)
-        .map_err(|as_trainee| {
-            let why = match as_model.to_string().contains("Missing tensors") {
-                true => as_trainee.to_string(),
-                false => as_model.to_string(),
+        };
+        Ok(trainee
+            .try_load_record(record()?)
+            .map(|t| t.model)
+            .map_err(|e| e.to_string()))
+    };
+    let linked =
+        std::fs::metadata(&file).is_ok_and(|m| std::os::unix::fs::MetadataExt::nlink(&m) > 1);
+    let trainee_first = matches!(weights, Weights::Checkpoint(..)) || linked;
+    let first = if trainee_first {
+        as_trainee()?
+    } else {
+        as_model()?
+    };
+    let model = match first {
+        Ok(model) => model,
+        Err(first) => {
+            let second = if trainee_first {
+                as_model()?
+            } else {
+                as_trainee()?
             };
-            anyhow!("{}: {why}", file.display())
-        })?,
+            second.map_err(|second| {
+                let why = match first.contains("Missing tensors") {
+                    true => second,
+                    false => first,
+                };
+                anyhow!("{}: {why}", file.display())
+            })?
+        }
     };
     Ok((model, weights))
 }
