@@ -25,7 +25,11 @@ fn collect(dir: &Path, root: &Path, out: &mut Vec<(String, PathBuf)>) {
 }
 
 fn main() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("recipes");
+    // The manifest directory cargo gives this run, not the one this script was compiled in:
+    // clones at other paths share one target directory (the CI cache), and cargo may reuse a
+    // build script compiled for another clone, which may be gone.
+    let manifest = std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
+    let root = Path::new(&manifest).join("recipes");
     println!("cargo:rerun-if-changed={}", root.display());
     let mut recipes = Vec::new();
     collect(&root, &root, &mut recipes);
