@@ -379,11 +379,18 @@ impl Default for CheckpointSection {
 /// The keys whose values name files or directories, with the values that name none. In a recipe
 /// file a relative path resolves against the file's folder (as `extends` does); in a built-in
 /// recipe or a `--set`, against the current directory.
-const PATH_KEYS: [(&str, &str, &[&str]); 3] = [
-    ("data", "corpus", &[diffzoo_datasets::corpus::EMBEDDED]),
-    ("data", "tokenizer", &["bpe"]),
-    ("training", "init_from", &[]),
+const PATH_KEYS: [(&str, &[&str]); 3] = [
+    ("data.corpus", &[diffzoo_datasets::corpus::EMBEDDED]),
+    ("data.tokenizer", &["bpe"]),
+    ("training.init_from", &[]),
 ];
+
+/// Whether `value` of the path key `key` names a file or directory (not a special value).
+fn names_a_file(key: &str, value: &str) -> bool {
+    PATH_KEYS
+        .iter()
+        .any(|(k, special)| *k == key && !special.contains(&value))
+}
 
 /// Rewrites the relative paths of the recipe file `file`'s `table` onto the file's folder, `..`
 /// folded away (`exp/../data` is `data`). Not in a run directory's own recipe.toml (a run keeps
@@ -400,12 +407,13 @@ fn rebase_paths(table: &mut toml::Table, file: &Path) {
     {
         return;
     }
-    for (section, key, special) in PATH_KEYS {
+    for (dotted, _) in PATH_KEYS {
+        let (section, key) = dotted.split_once('.').expect("a dotted key");
         if let Some(toml::Value::String(value)) = table
             .get_mut(section)
             .and_then(|s| s.as_table_mut())
             .and_then(|s| s.get_mut(key))
-            && !special.contains(&value.as_str())
+            && names_a_file(dotted, value)
             && Path::new(value.as_str()).is_relative()
         {
             *value = folded(&dir.join(value.as_str())).display().to_string();
@@ -442,13 +450,7 @@ impl Recipe {
                 .as_mut()
                 .map(|i| ("training.init_from", i)),
         );
-        out.retain(|(key, value)| {
-            let special = PATH_KEYS
-                .iter()
-                .find(|(s, k, _)| format!("{s}.{k}") == *key)
-                .map_or(&[][..], |(_, _, special)| special);
-            !special.contains(&value.as_str())
-        });
+        out.retain(|(key, value)| names_a_file(key, value));
         out
     }
 

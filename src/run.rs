@@ -341,6 +341,13 @@ pub fn find_weights(path: &Path) -> Result<Weights> {
 }
 
 impl Weights {
+    /// The file the weights are read from.
+    pub fn file(&self) -> &Path {
+        match self {
+            Self::Final(f) | Self::Checkpoint(_, f) | Self::File(f) => f,
+        }
+    }
+
     /// How far the weights are: `final`, a checkpoint's step, or a file.
     pub fn stage(&self) -> String {
         match self {
@@ -364,9 +371,7 @@ pub fn load_weights(
     device: &Device,
 ) -> Result<(Model, Weights)> {
     let weights = find_weights(path)?;
-    let file = match &weights {
-        Weights::Final(p) | Weights::Checkpoint(_, p) | Weights::File(p) => p.clone(),
-    };
+    let file = weights.file().to_path_buf();
     // Weights are cast to the device's float dtype: a bf16 run's model loads into an f32 device.
     let record = || {
         ModuleRecord::load(&file)
@@ -424,9 +429,7 @@ pub fn load_weights(
 /// Why `weights` of the run (or file) `path` cannot be read: Burn's error, and for a run's
 /// final model (truncated by a full disk, say) where the same or the latest weights still are.
 fn damaged(path: &Path, weights: &Weights, error: &str) -> anyhow::Error {
-    let file = match weights {
-        Weights::Final(f) | Weights::Checkpoint(_, f) | Weights::File(f) => f,
-    };
+    let file = weights.file();
     if !matches!(weights, Weights::Final(_)) {
         return anyhow!(
             "{}: cannot be read ({error}): truncated or damaged",

@@ -165,9 +165,6 @@ impl Runs {
             watched.log.read();
         }
         self.rows = self.runs.iter_mut().map(|(dir, w)| row(dir, w)).collect();
-        for (row, watched) in self.rows.iter_mut().zip(self.runs.values()) {
-            row.steps = row.steps.or(watched.planned_steps);
-        }
         problems
     }
 }
@@ -231,7 +228,7 @@ fn row(dir: &Path, watched: &mut Watched) -> RunRow {
         state,
         detail,
         step: log.step,
-        steps: watched.steps,
+        steps: watched.steps.or(watched.planned_steps),
         tokens: log.tokens,
         val_loss: log.val_loss,
         best_val_loss: log.best_val_loss,

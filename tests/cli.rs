@@ -18,6 +18,20 @@ fn records(run: &Path, split: &str) -> Vec<Value> {
         .collect()
 }
 
+/// Two logs' training steps pair up: the same steps and learning rates, losses within 1e-5.
+fn assert_same_steps(a: &[Value], b: &[Value]) {
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x["step"], y["step"]);
+        let (p, q) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
+        assert!(
+            (p - q).abs() <= 1e-5 * p.abs(),
+            "step {}: {p} vs {q}",
+            x["step"]
+        );
+        assert_eq!(x["lr"], y["lr"]);
+    }
+}
+
 /// `generate` on a micro run (a context of 32): the context is refused before any work unless
 /// a sliding window is asked for, `--stop` cuts the text, a batch of prompts generates what each
 /// prompt generates alone, bad options are named.
@@ -247,16 +261,7 @@ fn train_checkpoint_resume_generate_and_evaluate() {
     );
     let resumed = records(&killed, "train");
     assert_eq!(resumed.len(), 20, "steps 11 and 12 are logged once");
-    for (a, b) in train.iter().zip(&resumed) {
-        assert_eq!(a["step"], b["step"]);
-        let (x, y) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
-        assert!(
-            (x - y).abs() <= 1e-5 * x.abs(),
-            "step {}: {x} vs {y}",
-            a["step"]
-        );
-        assert_eq!(a["lr"], b["lr"]);
-    }
+    assert_same_steps(&train, &resumed);
     let v2 = records(&killed, "validation");
     assert_eq!(v2.len(), 2);
     assert!((v2[1]["loss"].as_f64().unwrap() - valid[1]["loss"].as_f64().unwrap()).abs() < 1e-5);
@@ -950,16 +955,7 @@ fn a_finished_run_extends_to_more_steps_exactly() {
     let (a, b) = (records(&whole, "train"), records(&extended, "train"));
     assert_eq!(a.len(), 20);
     assert_eq!(b.len(), 20, "each step logged once");
-    for (x, y) in a.iter().zip(&b) {
-        assert_eq!(x["step"], y["step"]);
-        let (p, q) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
-        assert!(
-            (p - q).abs() <= 1e-5 * p.abs(),
-            "step {}: {p} vs {q}",
-            x["step"]
-        );
-        assert_eq!(x["lr"], y["lr"]);
-    }
+    assert_same_steps(&a, &b);
     let recipe = std::fs::read_to_string(extended.join("recipe.toml")).unwrap();
     assert!(recipe.contains("steps = 20"), "{recipe}");
     assert!(extended.join("model.bpk").exists());

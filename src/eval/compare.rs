@@ -214,25 +214,40 @@ impl CompareArgs {
     }
 }
 
-fn measure(args: &CompareArgs, plan: &Plan, run: &Path, name: &str) -> Result<RunReport> {
-    let seeds = seeds_of(run)?;
-    let dir = seeds.first().map_or(run, PathBuf::as_path);
-    let loaded = Loaded::open(dir, &args.device)?;
+/// One side of the comparison: its seeds (none for a single run) and the run analysed (the first
+/// seed), opened once for planning and measuring.
+struct Side {
+    seeds: Vec<PathBuf>,
+    dir: PathBuf,
+    loaded: Loaded,
+}
+
+impl Side {
+    fn open(run: &Path, device: &str) -> Result<Self> {
+        let seeds = seeds_of(run)?;
+        let dir = seeds.first().map_or(run, PathBuf::as_path).to_path_buf();
+        let loaded = Loaded::open(&dir, device)?;
+        Ok(Self { seeds, dir, loaded })
+    }
+}
+
+fn measure(args: &CompareArgs, plan: &Plan, side: &Side, name: &str) -> Result<RunReport> {
+    let Side { seeds, dir, loaded } = side;
     eprintln!("{name}: {}", loaded.weights);
     let step = |what: &str| eprintln!("{name}: {what}");
     step("validation loss");
-    let ppl = ppl::measure(&loaded, None, Some(args.max_batches))?;
+    let ppl = ppl::measure(loaded, None, Some(args.max_batches))?;
     let nll_position = match args.wants("position") {
         true => {
             step("NLL by position");
-            Some(position::measure(&loaded, args.position_windows)?)
+            Some(position::measure(loaded, args.position_windows)?)
         }
         false => None,
     };
     let needle = match (&plan.needle, args.wants("needle")) {
         (Ok(grid), true) => {
             step("multi-needle retrieval");
-            Some(needle::measure(&loaded, grid)?)
+            Some(needle::measure(loaded, grid)?)
         }
         _ => None,
     };
@@ -240,7 +255,7 @@ fn measure(args: &CompareArgs, plan: &Plan, run: &Path, name: &str) -> Result<Ru
         (Ok((n, grid)), true) => {
             step("attention allocation");
             Some(attention::measure(
-                &loaded,
+                loaded,
                 *n,
                 &grid.depths,
                 grid.lengths.first().copied(),
@@ -253,21 +268,21 @@ fn measure(args: &CompareArgs, plan: &Plan, run: &Path, name: &str) -> Result<Ru
     let outliers = match args.wants("outliers") {
         true => {
             step("outliers");
-            Some(outliers::measure(&loaded, args.outlier_tokens)?)
+            Some(outliers::measure(loaded, args.outlier_tokens)?)
         }
         false => None,
     };
     let quant = match args.wants("quant") {
         true => {
             step("quantised attention");
-            Some(quant::measure(&loaded, &args.bits, args.max_batches, None)?)
+            Some(quant::measure(loaded, &args.bits, args.max_batches, None)?)
         }
         false => None,
     };
     let lambda = match loaded.recipe.model.attention {
         AttentionKind::Transformer => None,
         _ if !args.wants("lambda") => None,
-        _ => Some(lambda::measure(&loaded, dir)?),
+        _ => Some(lambda::measure(loaded, dir)?),
     };
     let mut seed_losses = Vec::with_capacity(seeds.len());
     for (i, seed) in seeds.iter().enumerate() {
@@ -610,18 +625,18 @@ pub fn seed_difference(a: (&str, &[(String, f64)]), b: (&str, &[(String, f64)]))
 pub fn run(args: &CompareArgs) -> Result<()> {
     let [na, nb] = names(&args.run_a, &args.run_b);
     // Both runs get the same needle prompts: resolved for RUN_A, fitted to both contexts.
-    let first = |run: &Path| -> Result<Loaded> {
-        let seeds = seeds_of(run)?;
-        Loaded::open(seeds.first().map_or(run, PathBuf::as_path), &args.device)
-    };
-    let plan = args.plan([&first(&args.run_a)?, &first(&args.run_b)?])?;
+    let sides = [
+        Side::open(&args.run_a, &args.device)?,
+        Side::open(&args.run_b, &args.device)?,
+    ];
+    let plan = args.plan([&sides[0].loaded, &sides[1].loaded])?;
     let said = plan.said(args);
     for line in &said {
         eprintln!("{line}");
     }
     let runs = [
-        measure(args, &plan, &args.run_a, &na)?,
-        measure(args, &plan, &args.run_b, &nb)?,
+        measure(args, &plan, &sides[0], &na)?,
+        measure(args, &plan, &sides[1], &nb)?,
     ];
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;

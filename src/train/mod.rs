@@ -419,6 +419,8 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
         one
     };
     // The seeds of one directory share one recipe: every seed there is checked, listed or not.
+    // Those trained to this recipe's length, if finished, are skipped below.
+    let mut full_length = Vec::new();
     for dir in run::run_seeds(&out) {
         let stored = run::run_recipe(&dir)?;
         let given = recipe::resolve(&args.recipe, &seed_args(stored.training.seed).overrides)?;
@@ -442,6 +444,9 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
                 out.display()
             );
         }
+        if now == was {
+            full_length.push(stored.training.seed);
+        }
     }
     let mut skip = Vec::with_capacity(seeds.len());
     for &seed in seeds {
@@ -454,13 +459,7 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
             );
         }
         // A finished seed is skipped unless this recipe extends it.
-        let finished = holds_run
-            && dir.join(run::FINAL_MODEL).exists()
-            && run::run_recipe(&dir)?.total_steps()
-                == recipe::resolve(&args.recipe, &seed_args(seed).overrides)?
-                    .recipe
-                    .total_steps();
-        skip.push(finished);
+        skip.push(holds_run && dir.join(run::FINAL_MODEL).exists() && full_length.contains(&seed));
     }
     for (&seed, skip) in seeds.iter().zip(skip) {
         let dir = run::seed_dir(&out, seed);
