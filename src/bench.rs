@@ -636,7 +636,7 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
     let step_s = timed(args.warmup, args.reps, || {
         let model = trained.take().expect("the model between steps");
         let mut accumulator = GradientsAccumulator::new();
-        let loss = step::backward(&model, &batch, args.recompute(), |grads| {
+        let loss = step::backward(&model, &batch, args.recompute(), None, |grads| {
             accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
         });
         let value = loss.into_scalar::<f32>();

@@ -1,9 +1,12 @@
 //! The planner behind `diffzoo recipe show --gpu …`: what a recipe costs before it runs.
 //!
-//! Memory per device under Burn 0.22.1's precision policy (no autocast: with `bf16` the weights,
-//! gradients and both AdamW moments are bf16; with `f32` all are f32), plus the activations the
-//! backward pass keeps for one micro-batch, with and without per-block recomputation. Time from
-//! the training FLOPs (`diffzoo_models::budget`) at a stated MFU of the GPU's dense bf16 peak.
+//! Memory per device under the recipe's `training.precision`, per parameter ([`state_bytes`]):
+//! `f32` keeps f32 weights, gradients and two AdamW moments (4 + 4 + 8 bytes); `bf16-mixed` the
+//! bf16 compute copy a step reads, the f32 masters, f32 gradients and f32 moments (2 + 4 + 4 + 8);
+//! `bf16-pure` (and `f16-pure`) all of them in 2 bytes (2 + 2 + 4). Then the activations the
+//! backward pass keeps for one micro-batch, in 2-byte elements below f32, with and without
+//! per-block recomputation. Time from the training FLOPs (`diffzoo_models::budget`) at a stated
+//! MFU of the GPU's dense bf16 peak.
 //!
 //! Activation accounting, per token and layer, in elements of the training dtype (an estimate of
 //! what Burn's autodiff keeps for our layers): norms' inputs and outputs `4·d_model`; Q, K, V
@@ -29,11 +32,12 @@
 //! time estimate counts (4/3 of the training FLOPs).
 //!
 //! A plan only offers what diffzoo can execute: one GPU, or data parallelism on one node (Burn's
-//! DDP keeps a whole replica, optimizer state included, on every GPU). What fits only with
-//! recomputation says so and gives the setting; what would need a sharded optimizer is reported
-//! as not runnable.
+//! DDP keeps a whole replica, optimizer state included, on every GPU, and all-reduces each
+//! backward pass's gradients in their dtype: f32 under `bf16-mixed`). What fits only with
+//! recomputation says so and gives the setting; what would need a sharded optimizer (masters and
+//! moments spread over the GPUs, as ZeRO-1 does) is reported as not runnable.
 
-use crate::recipe::{self, Recipe, Recompute};
+use crate::recipe::{self, Precision, Recipe, Recompute};
 use anyhow::{Result, bail};
 use diffzoo_models::{AttentionImpl, AttentionKind, ModelConfig};
 use serde::Serialize;
@@ -80,10 +84,23 @@ impl Gpu {
     }
 }
 
+/// Bytes per parameter of the state a step holds under `precision`: the weights it computes
+/// with, f32 masters (mixed precision's), gradients and AdamW's two moments.
+pub fn state_bytes(precision: Precision) -> [f64; 4] {
+    match precision {
+        Precision::F32 => [4.0, 0.0, 4.0, 8.0],
+        Precision::Bf16Mixed => [2.0, 4.0, 4.0, 8.0],
+        Precision::Bf16Pure | Precision::F16Pure => [2.0, 0.0, 2.0, 4.0],
+    }
+}
+
 /// Bytes per device of each kind of state.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Memory {
+    /// The weights the passes compute with: the model's own, or mixed precision's bf16 copy.
     pub weights: f64,
+    /// Mixed precision's f32 master weights (none otherwise).
+    pub masters: f64,
     pub gradients: f64,
     pub optimizer: f64,
     /// Activations kept for one micro-batch as the recipe trains (its attention implementation
@@ -94,9 +111,14 @@ pub struct Memory {
 }
 
 impl Memory {
-    /// Weights, gradients and optimizer state: what stays between steps.
+    /// Weights (and masters), gradients and optimizer state.
     pub fn state(&self) -> f64 {
-        self.weights + self.gradients + self.optimizer
+        self.weights + self.masters + self.gradients + self.optimizer
+    }
+
+    /// What a sharded optimizer would spread over the GPUs: the moments and the masters.
+    fn shardable(&self) -> f64 {
+        self.masters + self.optimizer
     }
 }
 
@@ -120,6 +142,9 @@ pub enum Fit {
 pub struct Plan {
     pub gpu: Gpu,
     pub mfu: f64,
+    /// `training.precision`.
+    pub precision: Precision,
+    /// Bytes per activation element.
     pub bytes_per_element: usize,
     /// The attention implementation the recipe trains with (`explicit` or `flash`).
     pub attention: String,
@@ -230,10 +255,9 @@ impl Plan {
         if gpus == Some(0) {
             bail!("--gpus 0: expected at least one GPU");
         }
-        let b = match recipe.training.dtype.as_str() {
-            "f32" => 4,
-            _ => 2,
-        };
+        let precision = recipe.training.precision;
+        let b = precision.activation_bytes();
+        let [weights, masters, gradients, optimizer] = state_bytes(precision);
         let config = recipe.model_config();
         let n = config.param_count().total as f64;
         let tokens = (recipe.training.micro_batch * recipe.data.seq_len) as f64;
@@ -252,9 +276,10 @@ impl Plan {
             layers * inputs + (head + head_backward).max(block + backward + 2.0 * inputs);
         let recompute = recipe.training.recompute == Recompute::Block;
         let memory = Memory {
-            weights: n * b as f64,
-            gradients: n * b as f64,
-            optimizer: 2.0 * n * b as f64,
+            weights: n * weights,
+            masters: n * masters,
+            gradients: n * gradients,
+            optimizer: n * optimizer,
             activations: if recompute {
                 recomputed
             } else {
@@ -270,7 +295,7 @@ impl Plan {
         } else if state + memory.activations_recomputed <= usable {
             Fit::NeedsRecomputation
         } else if replicated < usable {
-            Fit::NeedsSharding((memory.optimizer / (usable - replicated)).ceil().max(1.0) as usize)
+            Fit::NeedsSharding((memory.shardable() / (usable - replicated)).ceil().max(1.0) as usize)
         } else {
             Fit::Never
         };
@@ -290,6 +315,7 @@ impl Plan {
         let mut plan = Self {
             gpu,
             mfu,
+            precision,
             bytes_per_element: b,
             attention: match config.attention_impl {
                 AttentionImpl::Flash { .. } => "flash",
@@ -331,7 +357,7 @@ impl Plan {
         } else {
             match crate::train::loader::shares(self.micro_batches, n) {
                 Ok(each) => format!(
-                    "data parallel: train with --devices {}{} ({each} micro-batches per GPU and step)",
+                    "data parallel: train with --devices {}{} ({each} micro-batches per GPU and step, each backward pass all-reducing {:.1} GB of {} gradients)",
                     (0..n)
                         .map(|i| format!("cuda:{i}"))
                         .collect::<Vec<_>>()
@@ -340,11 +366,22 @@ impl Plan {
                         format!(" {RECOMPUTE_SET}")
                     } else {
                         String::new()
-                    }
+                    },
+                    self.memory.gradients / 1e9,
+                    self.gradient_dtype(),
                 ),
                 Err(e) => format!("{e}; choose a --gpus that divides {}", self.micro_batches),
             }
         })
+    }
+
+    /// The dtype gradients are kept and all-reduced in.
+    fn gradient_dtype(&self) -> &'static str {
+        match self.precision {
+            Precision::F32 | Precision::Bf16Mixed => "f32",
+            Precision::Bf16Pure => "bf16",
+            Precision::F16Pure => "f16",
+        }
     }
 
     /// The plan as text lines for `recipe show`.
@@ -352,16 +389,32 @@ impl Plan {
         let gb = |x: f64| x / 1e9;
         let m = &self.memory;
         let name = &self.gpu.name;
+        let grads = self.gradient_dtype();
         let mut lines = vec![
+            match self.precision {
+                Precision::Bf16Mixed => format!(
+                    "memory per device (bf16-mixed): bf16 weights {:.1} GB, f32 masters {:.1} GB, f32 gradients {:.1} GB, f32 AdamW state {:.1} GB",
+                    gb(m.weights),
+                    gb(m.masters),
+                    gb(m.gradients),
+                    gb(m.optimizer)
+                ),
+                precision => format!(
+                    "memory per device ({}): weights, gradients and AdamW state in {grads}: {:.1} GB, {:.1} GB, {:.1} GB{}",
+                    precision.name(),
+                    gb(m.weights),
+                    gb(m.gradients),
+                    gb(m.optimizer),
+                    if precision == Precision::F32 {
+                        ""
+                    } else {
+                        " (no f32 masters: updates below 2⁻⁸ of a weight round away; training.precision = \"bf16-mixed\" keeps them)"
+                    }
+                ),
+            },
             format!(
-                "memory per device ({}-byte elements): weights {:.1} GB, gradients {:.1} GB, AdamW state {:.1} GB",
+                "activations per micro-batch ({}-byte elements, {} attention{}): {:.1} GB{}",
                 self.bytes_per_element,
-                gb(m.weights),
-                gb(m.gradients),
-                gb(m.optimizer)
-            ),
-            format!(
-                "activations per micro-batch ({} attention{}): {:.1} GB{}",
                 self.attention,
                 if self.recompute {
                     ", blocks recomputed"
@@ -394,7 +447,12 @@ impl Plan {
                 }
             ),
             Fit::NeedsSharding(n) => format!(
-                "diffzoo cannot train this: it needs {needed:.1} GB on one {name} ({usable:.0} GB usable), and would fit only with blocks recomputed and the AdamW state sharded over {n} of them; diffzoo has no sharded optimizer (Burn's DDP keeps a whole replica on every GPU)"
+                "diffzoo cannot train this: it needs {needed:.1} GB on one {name} ({usable:.0} GB usable), and would fit only with blocks recomputed and the {} sharded over {n} of them; diffzoo has no sharded optimizer (Burn's DDP keeps a whole replica on every GPU)",
+                if m.masters > 0.0 {
+                    "f32 masters and AdamW state"
+                } else {
+                    "AdamW state"
+                }
             ),
             Fit::Never => format!(
                 "diffzoo cannot train this: on one {name} ({usable:.0} GB usable) weights, gradients and activations alone do not fit even with per-block recomputation"
@@ -595,8 +653,12 @@ mod tests {
         let n = 24.0 * (4.0 * 1536.0f64.powi(2) + 3.0 * 1536.0 * 4096.0 + 2.0 * 1536.0)
             + 1536.0
             + 2.0 * 100_288.0 * 1536.0;
-        assert!(close(flash.memory.weights, 2.0 * n));
-        assert!(close(flash.memory.optimizer, 4.0 * n));
+        // bf16-mixed: the bf16 compute copy, f32 masters, f32 gradients, two f32 moments.
+        let m = &flash.memory;
+        assert_eq!(flash.precision, Precision::Bf16Mixed);
+        assert!(close(m.weights, 2.0 * n) && close(m.masters, 4.0 * n));
+        assert!(close(m.gradients, 4.0 * n) && close(m.optimizer, 8.0 * n));
+        assert!(close(m.state(), 18.0 * n));
         // Per token and layer: norms 4·1536, Q K V 3·1536, rotated Q K 2·1536, attention output
         // 1536, SwiGLU 4·4096 elements; attention at 2,048 positions (flash by default): the
         // output and L (f32: two bf16 elements) of 16 heads of 96 (MHA: K and V are not copied),
@@ -632,9 +694,10 @@ mod tests {
             explicit.memory.activations,
             24.0 * tokens * block * 2.0 + head
         ));
-        for plan in [&flash, &explicit] {
-            assert_eq!(plan.fit, Fit::Fits, "{:?}", plan.lines());
-        }
+        // With its 18 bytes per parameter the explicit path's maps outgrow one H100 by 2 GB.
+        assert_eq!(flash.fit, Fit::Fits, "{:?}", flash.lines());
+        assert_eq!(explicit.fit, Fit::NeedsRecomputation);
+        assert!(explicit.lines()[2].contains("or training.micro_batch = 1"));
         // 6·N_matmul + attention, over 40,000 × 262,144 tokens, on one H100 at 40% of 989.4 TFLOP/s.
         let linear = 24.0 * (4.0 * 1536.0f64.powi(2) + 3.0 * 1536.0 * 4096.0) + 1536.0 * 100_288.0;
         let per_token = 3.0 * (2.0 * linear + 24.0 * 2.0 * 2048.0 * (2.0 * 1536.0));
@@ -662,9 +725,15 @@ mod tests {
             plan.data_parallel
         };
         assert_eq!(line(1), None);
+        let gradients = plan("paper/size-scaling/830m-transformer", &[], "h100", None)
+            .memory
+            .gradients;
         assert_eq!(
             line(4).unwrap(),
-            "data parallel: train with --devices cuda:0,cuda:1,cuda:2,cuda:3 (8 micro-batches per GPU and step)"
+            format!(
+                "data parallel: train with --devices cuda:0,cuda:1,cuda:2,cuda:3 (8 micro-batches per GPU and step, each backward pass all-reducing {:.1} GB of f32 gradients)",
+                gradients / 1e9
+            )
         );
         assert!(
             line(3).unwrap().contains("32 micro-batches"),
@@ -676,23 +745,24 @@ mod tests {
             .unwrap()
             .recipe;
         assert!(Plan::new(&recipe, Gpu::parse("h100").unwrap(), Some(0), 0.4).is_err());
-        let three_b = plan("paper/3b/diff-360b", &[], "h100", Some(8));
+        let three_b = plan("paper/3b/diff-360b", &[], "h200", Some(8));
         assert!(
             three_b.data_parallel.unwrap().contains("--devices cuda:0"),
-            "flash attention makes the 3B fit, so DDP runs it"
+            "flash attention makes the 3B fit an H200, so DDP runs it"
         );
     }
 
     #[test]
-    fn the_3b_fits_one_h100_with_flash_attention_and_not_without() {
-        let flash = plan("paper/3b/diff-360b", &[], "h100", Some(8));
-        // N = 28·(4·3072² + 3·3072·8192 + 2·3072 + 6·128) + 3072 + 2·100288·3072, in bf16.
+    fn the_3b_fits_one_h200_in_mixed_precision_and_an_h100_only_in_pure_bf16() {
+        let flash = plan("paper/3b/diff-360b", &[], "h200", Some(8));
+        // N = 28·(4·3072² + 3·3072·8192 + 2·3072 + 6·128) + 3072 + 2·100288·3072.
         let n = 28.0
             * (4.0 * 3072.0f64.powi(2) + 3.0 * 3072.0 * 8192.0 + 2.0 * 3072.0 + 6.0 * 128.0)
             + 3072.0
             + 2.0 * 100_288.0 * 3072.0;
         let m = &flash.memory;
-        assert!(close(m.weights + m.gradients + m.optimizer, 8.0 * n));
+        // bf16-mixed: 2 + 4 + 4 + 8 bytes per parameter.
+        assert!(close(m.state(), 18.0 * n));
         // Per token and layer: norms 4·3072, Q K V 3·3072, rotated 2·3072, output 3072, SwiGLU
         // 4·8192, subln 2·3072, and flash's copy of V for both half-heads (24 × 256), output and L
         // (f32) of 24 half-heads (24 × (256 + 2)).
@@ -721,17 +791,39 @@ mod tests {
         // No time for device counts diffzoo cannot run: beyond one node, or not dividing the
         // step's micro-batches.
         for gpus in [64, 3] {
-            let plan = plan("paper/3b/diff-360b", &[], "h100", Some(gpus));
+            let plan = plan("paper/3b/diff-360b", &[], "h200", Some(gpus));
             assert!(plan.days.is_none(), "{gpus}: {:?}", plan.lines());
             assert!(!plan.lines().iter().any(|l| l.contains("days on")));
         }
+
+        // On an H100 (72 GB usable) 18·N = 68.2 GB leaves no room even for recomputed
+        // activations; a sharded optimizer over two would (the masters and moments halved).
+        let h100 = plan("paper/3b/diff-360b", &[], "h100", Some(8));
+        assert_eq!(h100.fit, Fit::NeedsSharding(2), "{:?}", h100.lines());
+        assert!(h100.lines()[2].contains("f32 masters and AdamW state sharded over 2"));
+        assert_no_time_for_what_cannot_run(&h100);
+        // Pure bf16 (8·N) fits it: the configuration whose updates round away at the schedule's
+        // end, which the plan says.
+        let pure = plan(
+            "paper/3b/diff-360b",
+            &["training.precision=\"bf16-pure\""],
+            "h100",
+            Some(8),
+        );
+        assert!(close(pure.memory.state(), 8.0 * n));
+        assert_eq!(pure.fit, Fit::Fits);
+        assert!(
+            pure.lines()[0].contains("no f32 masters"),
+            "{:?}",
+            pure.lines()
+        );
 
         // The explicit path keeps 2·24 maps of 4,096² per layer: it needs recomputation, which
         // the plan names, and it times the forward pass recomputation repeats.
         let explicit = plan(
             "paper/3b/diff-360b",
             &["model.attention_impl=\"explicit\""],
-            "h100",
+            "h200",
             Some(8),
         );
         assert_eq!(explicit.fit, Fit::NeedsRecomputation);
@@ -753,13 +845,40 @@ mod tests {
             explicit.gpu_hours.unwrap(),
             RECOMPUTE_FLOPS * flops / (989.4e12 * 0.4) / 3600.0
         ));
-        let h200 = plan(
-            "paper/3b/diff-360b",
-            &["model.attention_impl=\"explicit\""],
-            "h200",
+    }
+
+    /// Bytes per parameter by hand for each precision, and `training.dtype`, the old name,
+    /// planned as what it maps to.
+    #[test]
+    fn each_precision_counts_its_own_state() {
+        let n = plan("paper/size-scaling/830m-transformer", &[], "h100", None)
+            .memory
+            .weights
+            / 2.0;
+        for (precision, bytes, element) in [
+            ("f32", [4.0, 0.0, 4.0, 8.0], 4),
+            ("bf16-mixed", [2.0, 4.0, 4.0, 8.0], 2),
+            ("bf16-pure", [2.0, 0.0, 2.0, 4.0], 2),
+            ("f16-pure", [2.0, 0.0, 2.0, 4.0], 2),
+        ] {
+            let set = format!("training.precision=\"{precision}\"");
+            let p = plan("paper/size-scaling/830m-transformer", &[&set], "h100", None);
+            let m = &p.memory;
+            assert_eq!(p.precision.name(), precision);
+            assert_eq!(
+                [m.weights, m.masters, m.gradients, m.optimizer].map(|x| x / n),
+                bytes,
+                "{precision}"
+            );
+            assert_eq!(p.bytes_per_element, element, "{precision}");
+        }
+        let legacy = plan(
+            "paper/size-scaling/830m-transformer",
+            &["training.dtype=\"bf16\""],
+            "h100",
             None,
         );
-        assert_eq!(h200.fit, Fit::Fits);
+        assert_eq!(legacy.precision, Precision::Bf16Pure);
     }
 
     fn flash_recipe_flops() -> f64 {
@@ -786,10 +905,20 @@ mod tests {
     #[test]
     fn plans_say_what_they_need_and_time_only_what_can_run() {
         // 64K context: flash keeps no maps, but 28 layers of 65,536 tokens outgrow an H200
-        // unless blocks are recomputed, which the recipe does: it fits one H200.
+        // unless blocks are recomputed, which the recipe does; in bf16-mixed its 18 bytes per
+        // parameter beside them need the optimizer sharded over two.
         let long = plan("paper/3b/diff-64k", &[], "h200", None);
         assert_eq!(long.attention, "flash");
         assert!(long.recompute);
+        assert_eq!(long.fit, Fit::NeedsSharding(2), "{:?}", long.lines());
+        assert_no_time_for_what_cannot_run(&long);
+        // In pure bf16 it fits, as it did before mixed precision.
+        let long = plan(
+            "paper/3b/diff-64k",
+            &["training.precision=\"bf16-pure\""],
+            "h200",
+            None,
+        );
         assert_eq!(long.fit, Fit::Fits, "{:?}", long.lines());
         // By hand: 28 block inputs of 65,536 × 3,072 bf16 values, and the head's backward pass
         // (final norm, logits and f32 log-softmax, and an f32 gradient of the logits), which
@@ -802,7 +931,10 @@ mod tests {
         assert!(long.days.is_some());
         let kept = plan(
             "paper/3b/diff-64k",
-            &["training.recompute=\"none\""],
+            &[
+                "training.recompute=\"none\"",
+                "training.precision=\"bf16-pure\"",
+            ],
             "h200",
             None,
         );
@@ -810,20 +942,25 @@ mod tests {
         assert!(kept.memory.activations > 4.0 * kept.memory.activations_recomputed);
         assert!(close(kept.days.unwrap(), long.days.unwrap()));
 
-        // 13.1B in bf16 with AdamW needs 16 bytes per parameter: a sharded optimizer, which
-        // Burn's DDP does not do. No "days on 4 × H100" after "cannot train".
+        // 13.1B in bf16-mixed needs 18 bytes per parameter: on an H200 a sharded optimizer
+        // (masters and moments spread), which Burn's DDP does not do; on an H100 its bf16
+        // weights and f32 gradients alone outgrow one. No "days on 4 × …" after "cannot train".
         for gpus in [None, Some(4)] {
-            let big = plan("paper/size-scaling/13.1b-transformer", &[], "h100", gpus);
+            let big = plan("paper/size-scaling/13.1b-transformer", &[], "h200", gpus);
             let Fit::NeedsSharding(n) = big.fit else {
                 panic!("{:?}", big.lines())
             };
-            let usable = 80e9 * USABLE;
+            let usable = 141e9 * USABLE;
             let m = &big.memory;
             let replicated = m.weights + m.gradients + m.activations_recomputed;
+            let sharded = m.masters + m.optimizer;
             assert!(n > 1);
-            assert!(replicated + m.optimizer / n as f64 <= usable);
-            assert!(replicated + m.optimizer / (n - 1) as f64 > usable);
+            assert!(replicated + sharded / n as f64 <= usable);
+            assert!(replicated + sharded / (n - 1) as f64 > usable);
             assert_no_time_for_what_cannot_run(&big);
+            let h100 = plan("paper/size-scaling/13.1b-transformer", &[], "h100", gpus);
+            assert_eq!(h100.fit, Fit::Never, "{:?}", h100.lines());
+            assert_no_time_for_what_cannot_run(&h100);
         }
         assert!(Gpu::parse("big").is_err());
         assert_eq!(Gpu::parse("48").unwrap().peak_flops, None);

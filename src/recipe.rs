@@ -10,6 +10,7 @@
 
 use crate::hf::Architecture;
 use anyhow::{Context, Result, anyhow, bail};
+use burn::tensor::FloatDType;
 use diffzoo_models::{
     AttentionImpl, AttentionKind, DEFAULT_ATTENTION_BLOCK, ModelConfig, RopeScaling,
 };
@@ -299,9 +300,10 @@ pub struct TrainingSection {
     /// sweep` does the same for every recipe of a sweep.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub seeds: Vec<u64>,
-    /// `f32`, `bf16` or `f16`.
-    #[serde(default = "default_dtype")]
-    pub dtype: String,
+    /// What a step computes in and what it keeps ([`Precision`]); `training.dtype`, its old
+    /// name, is read into it ([`legacy_dtype`]).
+    #[serde(default)]
+    pub precision: Precision,
     /// Default device, overridden by `--device`.
     #[serde(default = "default_device")]
     pub device: String,
@@ -315,6 +317,65 @@ pub struct TrainingSection {
     /// pass (one more forward pass per step; activations of one block at a time).
     #[serde(default)]
     pub recompute: Recompute,
+}
+
+/// `training.precision`: the dtypes a step computes in and keeps between steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Precision {
+    /// Weights, activations, gradients and AdamW moments in f32.
+    #[default]
+    F32,
+    /// The forward and backward passes in bf16, from a bf16 copy of f32 master weights
+    /// ([`diffzoo_models::precision`]); gradients accumulated, clipped and all-reduced in f32,
+    /// AdamW's update and both moments f32. What large runs use.
+    Bf16Mixed,
+    /// Everything in bf16, weights and AdamW moments included (the device's float dtype): an
+    /// update below bf16's resolution relative to its weight (2⁻⁸) rounds away. Kept to compare.
+    Bf16Pure,
+    /// Everything in f16, as `bf16-pure` (no loss scaling).
+    F16Pure,
+}
+
+impl Precision {
+    pub const ALL: [Precision; 4] = [
+        Precision::F32,
+        Precision::Bf16Mixed,
+        Precision::Bf16Pure,
+        Precision::F16Pure,
+    ];
+
+    /// Its name in a recipe.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16Mixed => "bf16-mixed",
+            Self::Bf16Pure => "bf16-pure",
+            Self::F16Pure => "f16-pure",
+        }
+    }
+
+    /// The dtype weights, gradients and AdamW moments are kept in: the device's float dtype.
+    pub fn storage(self) -> FloatDType {
+        match self {
+            Self::F32 | Self::Bf16Mixed => FloatDType::F32,
+            Self::Bf16Pure => FloatDType::BF16,
+            Self::F16Pure => FloatDType::F16,
+        }
+    }
+
+    /// The dtype a step computes in from a copy of the weights, where it is not their own.
+    pub fn compute(self) -> Option<FloatDType> {
+        (self == Self::Bf16Mixed).then_some(FloatDType::BF16)
+    }
+
+    /// Bytes per element of activations (and of the compute copy of the weights).
+    pub fn activation_bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            _ => 2,
+        }
+    }
 }
 
 /// `training.recompute`: what the backward pass recomputes instead of keeping.
@@ -336,10 +397,6 @@ pub fn repeated_seed(seeds: &[u64]) -> Option<u64> {
 
 fn default_seed() -> u64 {
     42
-}
-
-fn default_dtype() -> String {
-    "f32".into()
 }
 
 fn default_device() -> String {
@@ -613,12 +670,6 @@ impl Recipe {
                 "`training.batch_tokens` / `data.seq_len` = {} sequences is not divisible by `training.micro_batch` = {}",
                 self.batch_sequences(),
                 t.micro_batch
-            ));
-        }
-        if !matches!(t.dtype.as_str(), "f32" | "bf16" | "f16") {
-            return Err(format!(
-                "`training.dtype` = {:?} is not one of f32, bf16, f16",
-                t.dtype
             ));
         }
         if t.log_every == 0 {
@@ -1151,6 +1202,7 @@ pub fn resolve(name: &str, overrides: &[String]) -> Result<Resolved> {
     }
     let mut notes = model_of_init(&mut table)?;
     notes.extend(follow_shards(&mut table, &layers));
+    notes.extend(legacy_dtype(&mut table, &layers).map_err(|e| anyhow!("{source}: {e}"))?);
     let origin = if overrides.is_empty() {
         source.to_string()
     } else {
@@ -1224,11 +1276,67 @@ fn model_of_init(table: &mut toml::Table) -> Result<Vec<String>> {
     )])
 }
 
-/// Parses a resolved recipe written into a run directory.
+/// `training.dtype`, the name `training.precision` had before mixed precision, read into it:
+/// "f32" is "f32", "bf16" is "bf16-pure" and "f16" "f16-pure" (what they always did). Where
+/// both are set the later of `layers` wins; set together, they must agree. Says what a low
+/// precision maps to (an old run's recipe.toml holds `dtype = "f32"`: not worth a line).
+fn legacy_dtype(table: &mut toml::Table, layers: &[toml::Table]) -> Result<Option<String>> {
+    let Some(training) = table
+        .get_mut("training")
+        .and_then(toml::Value::as_table_mut)
+    else {
+        return Ok(None);
+    };
+    let Some(dtype) = training.remove("dtype") else {
+        return Ok(None);
+    };
+    let name = dtype.as_str().unwrap_or_default().to_string();
+    let mapped = match name.as_str() {
+        "f32" => Precision::F32,
+        "bf16" => Precision::Bf16Pure,
+        "f16" => Precision::F16Pure,
+        _ => bail!(
+            "`training.dtype` = {dtype} is not one of f32, bf16, f16 (it is the old name of `training.precision`: {})",
+            Precision::ALL.map(Precision::name).join(", ")
+        ),
+    };
+    let (by_dtype, by_precision) = (
+        last_setting(layers, "training.dtype"),
+        last_setting(layers, "training.precision"),
+    );
+    if let Some(precision) = training.get("precision")
+        && by_precision >= by_dtype
+    {
+        if by_precision == by_dtype && precision.as_str() != Some(mapped.name()) {
+            bail!(
+                "`training.dtype` = {dtype} (the old name of `training.precision` = \"{}\") and `training.precision` = {precision} disagree: give `training.precision` alone",
+                mapped.name()
+            );
+        }
+        return Ok(None);
+    }
+    training.insert("precision".into(), mapped.name().into());
+    Ok((mapped != Precision::F32).then(|| {
+        format!(
+            "`training.dtype` = {dtype} is read as `training.precision` = \"{}\": weights, gradients and AdamW moments all in {name}; \"bf16-mixed\" keeps f32 master weights and moments",
+            mapped.name()
+        )
+    }))
+}
+
+/// Parses a resolved recipe written into a run directory (one written before
+/// `training.precision` existed holds `training.dtype`, read as [`legacy_dtype`] says).
 pub fn from_run_file(path: &Path) -> Result<Recipe> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let recipe: Recipe = toml::from_str(&text).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let mut table: toml::Table = text
+        .parse()
+        .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let layers = [table.clone()];
+    legacy_dtype(&mut table, &layers).with_context(|| path.display().to_string())?;
+    let recipe: Recipe = toml::Value::Table(table)
+        .try_into()
+        .map_err(|e| anyhow!("{}: {e}", path.display()))?;
     Ok(recipe)
 }
 
@@ -1640,6 +1748,79 @@ mod tests {
         assert_eq!(
             x.training.init_from.as_deref(),
             Some("runs/paper/3b/diff-360b")
+        );
+    }
+
+    /// `training.dtype`, the old name, reads as the precision it always was; the later of it and
+    /// `training.precision` wins, set together they must agree, and a run's recipe.toml written
+    /// before `training.precision` reads too.
+    #[test]
+    fn training_dtype_reads_as_the_precision_it_always_was() {
+        for (dtype, precision) in [
+            ("f32", Precision::F32),
+            ("bf16", Precision::Bf16Pure),
+            ("f16", Precision::F16Pure),
+        ] {
+            let r = resolve("micro", &[format!("training.dtype=\"{dtype}\"")]).unwrap();
+            assert_eq!(r.recipe.training.precision, precision);
+            let said = r
+                .notes
+                .iter()
+                .any(|n| n.contains("is read as `training.precision`"));
+            assert_eq!(said, dtype != "f32", "{dtype}: {:?}", r.notes);
+            assert!(!r.recipe.to_toml().contains("dtype"), "{dtype}");
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let old = tmp.path().join("old.toml");
+        std::fs::write(&old, "extends = \"micro\"\n[training]\ndtype = \"bf16\"\n").unwrap();
+        let old = old.display().to_string();
+        let precision = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            resolve(&old, &sets).map(|r| r.recipe.training.precision)
+        };
+        assert_eq!(precision(&[]).unwrap(), Precision::Bf16Pure);
+        assert_eq!(
+            precision(&["training.precision=bf16-mixed"]).unwrap(),
+            Precision::Bf16Mixed
+        );
+        let both = tmp.path().join("both.toml");
+        std::fs::write(
+            &both,
+            "extends = \"micro\"\n[training]\ndtype = \"bf16\"\nprecision = \"bf16-mixed\"\n",
+        )
+        .unwrap();
+        let err = resolve(&both.display().to_string(), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(
+                "`training.dtype` = \"bf16\" (the old name of `training.precision` = \"bf16-pure\")"
+            ) && err.contains("disagree"),
+            "{err}"
+        );
+        let err = resolve("micro", &["training.dtype=f8".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`training.dtype` = \"f8\""), "{err}");
+        let err = resolve("micro", &["training.precision=bf16".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`training.precision`") && err.contains("bf16-mixed"),
+            "{err}"
+        );
+
+        let run = tmp.path().join("recipe.toml");
+        let written = resolve("micro", &[]).unwrap().recipe.to_toml();
+        assert!(written.contains("precision = \"f32\""), "{written}");
+        std::fs::write(
+            &run,
+            written.replace("precision = \"f32\"", "dtype = \"bf16\""),
+        )
+        .unwrap();
+        assert_eq!(
+            from_run_file(&run).unwrap().training.precision,
+            Precision::Bf16Pure
         );
     }
 }

@@ -286,6 +286,42 @@ fn signals_stop_at_a_step_with_a_checkpoint_and_resume_exactly() {
     });
 }
 
+/// A mixed-precision run killed after its first checkpoint resumes exactly: the checkpoint holds
+/// the f32 masters and moments, and each step recasts its bf16 copy from them. A bf16-pure run's
+/// checkpoint (bf16 weights and moments) is not resumed as mixed: refused naming the key.
+#[test]
+fn a_mixed_precision_run_resumes_exactly_and_a_pure_one_is_not_resumed_as_mixed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mixed = ["training.precision=bf16-mixed"];
+    let reference = tmp.path().join("reference");
+    train(&reference, &mixed, false);
+    let run = tmp.path().join("run");
+    killed_copy(&reference, &run, 1, 10);
+    let log = train(&run, &mixed, true);
+    assert!(
+        log.contains("resuming from checkpoint 1 (step 10)"),
+        "{log}"
+    );
+    assert!(log.contains("mixed precision"), "{log}");
+    assert_same_run(&run, &reference);
+
+    let pure = tmp.path().join("pure");
+    train(&pure, &["training.precision=bf16-pure"], false);
+    let stopped = tmp.path().join("stopped");
+    killed_copy(&pure, &stopped, 1, 10);
+    let err = fails(
+        &train_args(&stopped, &mixed, true)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    );
+    assert!(
+        err.contains("training.precision = \"bf16-pure\" in the run, \"bf16-mixed\" now")
+            && err.contains("training.init_from"),
+        "{err}"
+    );
+}
+
 #[test]
 fn a_second_signal_exits_at_once_and_a_repeated_one_does_not() {
     let tmp = tempfile::tempdir().unwrap();

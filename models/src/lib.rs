@@ -14,6 +14,7 @@
 //! | parameter counts, FLOPs, KV cache size | [`budget`] |
 //! | incremental decoding (KV cache) | [`cache`] |
 //! | per-block activation recomputation | [`recompute`] |
+//! | mixed precision's bf16 compute copy of f32 masters | [`precision`] |
 //! | analysis statistics (Table 5 magnitudes, λ) | [`analysis`] |
 //!
 //! ```text
@@ -29,6 +30,7 @@ pub mod cache;
 pub mod config;
 pub mod feed_forward;
 pub mod model;
+pub mod precision;
 pub mod recompute;
 
 pub use analysis::{AbsAccumulator, AbsStats, Allocation, LayerStats, allocation};
@@ -39,3 +41,4 @@ pub use config::{
     AttentionImpl, AttentionKind, DEFAULT_ATTENTION_BLOCK, ModelConfig, RopeScaling, lambda_init,
 };
 pub use model::{Block, LayerProbe, Model, ModelProbe, target_log_probs};
+pub use precision::compute_copy;

@@ -13,12 +13,13 @@ use crate::attention::{Attention, AttentionProbe, projection};
 use crate::cache::{KvCache, LayerCache, assert_room};
 use crate::config::{AttentionImpl, ModelConfig};
 use crate::feed_forward::SwiGlu;
+use crate::precision::compute_copy;
 use burn::module::Module;
 use burn::nn::{
     Embedding, EmbeddingConfig, Initializer, Linear, RmsNorm, RmsNormConfig, RotaryEncoding,
     RotaryEncodingConfig,
 };
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::{Device, FloatDType, Int, Tensor};
 
 /// One pre-norm decoder block.
 #[derive(Module, Debug)]
@@ -240,11 +241,23 @@ impl Model {
         self.blocks.iter().filter_map(|b| b.attn.lambda()).collect()
     }
 
-    pub(crate) fn head(&self, h: Tensor<3>) -> Tensor<3> {
-        let h = self.norm.forward(h);
+    fn head(&self, h: Tensor<3>) -> Tensor<3> {
+        self.head_in(h, None)
+    }
+
+    /// The final norm and the head, computing in `compute` from copies of their weights
+    /// ([`crate::precision`]; `None`: their own).
+    pub(crate) fn head_in(&self, h: Tensor<3>, compute: Option<FloatDType>) -> Tensor<3> {
+        let h = compute_copy(&self.norm, compute).forward(h);
         match &self.lm_head {
-            Some(head) => head.forward(h),
-            None => h.matmul(self.embed.weight.val().transpose().unsqueeze::<3>()),
+            Some(head) => compute_copy(head, compute).forward(h),
+            None => h.matmul(
+                compute_copy(&self.embed, compute)
+                    .weight
+                    .val()
+                    .transpose()
+                    .unsqueeze::<3>(),
+            ),
         }
     }
 }

@@ -19,24 +19,30 @@
 //!
 //! Memory: the L block inputs `[B, S, d_model]`, one block's activations and the head's at a
 //! time, instead of every block's. The cost is one more forward pass per step.
+//!
+//! Under mixed precision each partial pass reads its own compute copy of the weights it uses
+//! ([`crate::precision`]): a graph, the cast of a master included, serves one backward pass.
 
 use crate::model::Model;
+use crate::precision::compute_copy;
 use burn::module::Module;
-use burn::tensor::{Gradients, Int, Tensor};
+use burn::tensor::{FloatDType, Gradients, Int, Tensor};
 
 impl Model {
     /// One backward pass of `loss(self.forward(tokens))` with each block recomputed (see the
-    /// module documentation). `self` must be on an autodiff device. Each partial backward's
-    /// gradients are handed to `each` as soon as they exist: the head's, then block L's … block
-    /// 1's, then the embedding's; their sum over the calls is the full gradient. Returns the loss
-    /// (its graph already consumed).
+    /// module documentation). `self` must be on an autodiff device; `compute`: the dtype the
+    /// passes compute in, from copies of `self`'s weights (`None`: their own). Each partial
+    /// backward's gradients are handed to `each` as soon as they exist: the head's, then block
+    /// L's … block 1's, then the embedding's; their sum over the calls is the full gradient.
+    /// Returns the loss (its graph already consumed).
     pub fn backward_recomputed(
         &self,
         tokens: Tensor<2, Int>,
+        compute: Option<FloatDType>,
         loss: impl FnOnce(Tensor<3>) -> Tensor<1>,
         mut each: impl FnMut(Gradients),
     ) -> Tensor<1> {
-        let frozen = self.valid();
+        let frozen = compute_copy(&self.valid(), compute);
         let mut inputs = Vec::with_capacity(self.blocks.len());
         let mut h = frozen.embed.forward(tokens.clone().inner());
         for block in &frozen.blocks {
@@ -47,7 +53,7 @@ impl Model {
         drop(frozen);
 
         let last = self.leaf(h).require_grad();
-        let value = loss(self.head(last.clone()));
+        let value = loss(self.head_in(last.clone(), compute));
         let mut grads = value.backward();
         let mut grad = Self::input_grad(&last, &mut grads);
         drop(last);
@@ -55,13 +61,13 @@ impl Model {
 
         for (block, input) in self.blocks.iter().zip(inputs).rev() {
             let input = self.leaf(input).require_grad();
-            let output = block.forward(input.clone(), &self.rope);
+            let output = compute_copy(block, compute).forward(input.clone(), &self.rope);
             let mut grads = (output * self.leaf(grad)).sum().backward();
             grad = Self::input_grad(&input, &mut grads);
             each(grads);
         }
 
-        let embedded = self.embed.forward(tokens);
+        let embedded = compute_copy(&self.embed, compute).forward(tokens);
         each((embedded * self.leaf(grad)).sum().backward());
         value
     }

@@ -206,7 +206,7 @@ fn recipe_of(
             micro_batch: 1,
             seed: 42,
             seeds: Vec::new(),
-            dtype: dtype.recipe_name().into(),
+            precision: dtype.precision(),
             device: "cpu".into(),
             log_every: 10,
             init_from: Some(out.display().to_string()),

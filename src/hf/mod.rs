@@ -501,11 +501,12 @@ impl Dtype {
         }
     }
 
-    /// The recipe's name (`training.dtype`).
-    pub fn recipe_name(self) -> &'static str {
+    /// How a run of weights in this dtype fine-tunes: bf16 weights as mixed precision's
+    /// compute dtype, over f32 masters that hold them exactly.
+    pub fn precision(self) -> crate::recipe::Precision {
         match self {
-            Self::F32 => "f32",
-            Self::Bf16 => "bf16",
+            Self::F32 => crate::recipe::Precision::F32,
+            Self::Bf16 => crate::recipe::Precision::Bf16Mixed,
         }
     }
 

@@ -29,7 +29,7 @@ pub mod tensorboard;
 
 use crate::Outcome;
 use crate::device;
-use crate::recipe::{self, NeedleSection, OptimizerSection, Recipe, Recompute};
+use crate::recipe::{self, NeedleSection, OptimizerSection, Precision, Recipe, Recompute};
 use crate::run::{self, RunEnd};
 use anyhow::{Context, Result, anyhow, bail};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
@@ -109,17 +109,46 @@ pub fn float_dtype(name: &str) -> Result<FloatDType> {
 /// device cannot run; `setting` names where the dtype came from in the error.
 pub fn configure_dtype(device: &mut Device, name: &str, spec: &str, setting: &str) -> Result<()> {
     let dtype = float_dtype(name).with_context(|| format!("`{setting}`"))?;
-    if dtype == FloatDType::F32 {
+    configure_float(
+        device,
+        dtype,
+        dtype,
+        spec,
+        &format!("{setting} = \"{name}\""),
+    )
+}
+
+/// Sets the device up for `precision` (before any tensor exists): its float dtype is what
+/// weights and optimizer state are kept in, and it must also compute in the dtype a mixed step
+/// computes in.
+pub fn configure_precision(device: &mut Device, precision: Precision, spec: &str) -> Result<()> {
+    let storage = precision.storage();
+    let compute = precision.compute().unwrap_or(storage);
+    let setting = format!("training.precision = \"{}\"", precision.name());
+    configure_float(device, storage, compute, spec, &setting)
+}
+
+/// Configures `device` to keep floats in `storage`, refusing it where it cannot compute in
+/// `compute`; `setting` says what asked for them.
+fn configure_float(
+    device: &mut Device,
+    storage: FloatDType,
+    compute: FloatDType,
+    spec: &str,
+    setting: &str,
+) -> Result<()> {
+    if ![storage, compute]
+        .into_iter()
+        .all(|d| device.supports_dtype(d))
+    {
+        bail!("device `{spec}` does not support `{setting}`; use f32 or another device");
+    }
+    if storage == FloatDType::F32 {
         return Ok(());
     }
-    if !device.supports_dtype(dtype) {
-        bail!(
-            "device `{spec}` does not support `{setting} = \"{name}\"`; use f32 or another device"
-        );
-    }
     device
-        .configure(DeviceConfig::default().float_dtype(dtype))
-        .map_err(|e| anyhow!("configuring {spec} for {name}: {e:?}"))
+        .configure(DeviceConfig::default().float_dtype(storage))
+        .map_err(|e| anyhow!("configuring {spec} for `{setting}`: {e:?}"))
 }
 
 /// What keeps `given` from resuming a run trained with `stored`: each key that differs, with
@@ -143,9 +172,14 @@ fn resume_conflicts(stored: &Recipe, given: &Recipe) -> Vec<String> {
         .into_iter()
         .map(|(key, was, now)| {
             format!(
-                "{key} = {} in the run, {} now",
+                "{key} = {} in the run, {} now{}",
                 was.unwrap_or_else(unset),
-                now.unwrap_or_else(unset)
+                now.unwrap_or_else(unset),
+                if key == "training.precision" {
+                    " (its checkpoints keep weights and AdamW moments in the run's dtypes; to go on in another precision, start a new run from its weights with training.init_from)"
+                } else {
+                    ""
+                }
             )
         })
         .collect()
@@ -522,18 +556,20 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
     let ranks = specs.len();
     let shares = loader::shares(recipe.accumulation(), ranks)
         .map_err(|e| anyhow!("{}: --devices {}: {e}", resolved.source, specs.join(",")))?;
+    let precision = recipe.training.precision;
     let devices = device::parse_data_parallel(&specs, |device, spec| {
-        configure_dtype(device, &recipe.training.dtype, spec, "training.dtype")
+        configure_precision(device, precision, spec)
     })?;
     // Burn puts a resumed run's optimizer state on its default device (the CPU's: see
     // `cpu_default_device` in main.rs) before moving it to each parameter's: in the run's dtype.
     let mut default = Device::default();
     if args.resume && default != devices[0] {
-        configure_dtype(
+        configure_float(
             &mut default,
-            &recipe.training.dtype,
+            precision.storage(),
+            precision.storage(),
             "Burn's default (BURN_DEVICE)",
-            "training.dtype",
+            &format!("training.precision = \"{}\"", precision.name()),
         )?;
     }
     let device = devices[0].clone();
@@ -644,6 +680,7 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
                 .with_context(|| format!("writing {}", dir.join(tensorboard::DIR).display()))?,
         )
         .recomputing(recipe.training.recompute)
+        .computing_in(precision.compute())
         .data_parallel(ranks),
     );
     let trainee = Trainee {
@@ -664,6 +701,12 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
     if recipe.training.recompute == Recompute::Block {
         say!(
             "blocks recomputed in the backward pass (training.recompute = \"block\"): each keeps only its input, one more forward pass per step"
+        );
+    }
+    if precision.compute().is_some() {
+        say!(
+            "mixed precision (training.precision = \"{}\"): forward and backward passes in bf16 from f32 master weights; gradients accumulated, clipped and all-reduced in f32, AdamW and its moments in f32",
+            precision.name()
         );
     }
     if ranks > 1 {

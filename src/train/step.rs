@@ -1,5 +1,8 @@
 //! One optimizer step as the learner sees it: forward and backward over every micro-batch,
-//! gradients averaged, clipped by their global norm; and validation batches.
+//! gradients averaged, clipped by their global norm; and validation batches. Under mixed
+//! precision (`training.precision = "bf16-mixed"`) each micro-batch's passes read a bf16 copy
+//! of the f32 masters ([`diffzoo_models::precision`]): the gradients reach the masters in f32,
+//! and are accumulated, clipped and all-reduced in f32 before AdamW steps them.
 
 use super::control::{Control, Intervals};
 use super::grads;
@@ -11,10 +14,10 @@ use crate::recipe::Recompute;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::{DType, Gradients, Tensor};
+use burn::tensor::{DType, FloatDType, Gradients, Tensor};
 use burn::train::{InferenceStep, Interrupter, TrainOutput, TrainStep};
 use diffzoo_datasets::LmBatch;
-use diffzoo_models::{Model, target_log_probs};
+use diffzoo_models::{Model, compute_copy, target_log_probs};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Instant;
 
@@ -57,21 +60,24 @@ fn over_batches(batches: &[LmBatch], mut loss: impl FnMut(&LmBatch) -> Tensor<1>
 }
 
 /// A micro-batch's loss, its gradients handed to `accumulate` (one backward pass, or one per
-/// block when blocks are recomputed).
+/// block when blocks are recomputed), computing in `compute` from a copy of the weights
+/// (`None`: in their own dtype).
 pub fn backward(
     model: &Model,
     batch: &LmBatch,
     recompute: Recompute,
+    compute: Option<FloatDType>,
     mut accumulate: impl FnMut(Gradients),
 ) -> Tensor<1> {
     match recompute {
         Recompute::None => {
-            let loss = lm_loss(model, batch);
+            let loss = lm_loss(&compute_copy(model, compute), batch);
             accumulate(loss.backward());
             loss
         }
         Recompute::Block => model.backward_recomputed(
             batch.inputs.clone(),
+            compute,
             |logits| batch_loss(logits, batch),
             accumulate,
         ),
@@ -87,6 +93,8 @@ pub struct StepContext {
     pub grad_clip: f64,
     /// Whether each block's forward runs again in the backward pass (`training.recompute`).
     pub recompute: Recompute,
+    /// The dtype the passes compute in from a copy of the weights (mixed precision), if any.
+    pub compute: Option<FloatDType>,
     pub batch_tokens: u64,
     pub total_steps: usize,
     pub interrupter: Interrupter,
@@ -138,6 +146,7 @@ impl StepContext {
             schedule,
             grad_clip,
             recompute: Recompute::None,
+            compute: None,
             batch_tokens,
             total_steps: intervals.total,
             requests: Interrupter::new(),
@@ -162,6 +171,13 @@ impl StepContext {
     /// Blocks recomputed in the backward pass or not (`training.recompute`).
     pub fn recomputing(mut self, recompute: Recompute) -> Self {
         self.recompute = recompute;
+        self
+    }
+
+    /// Passes compute in `compute` from a copy of the weights (`training.precision`'s
+    /// [`crate::recipe::Precision::compute`]).
+    pub fn computing_in(mut self, compute: Option<FloatDType>) -> Self {
+        self.compute = compute;
         self
     }
 
@@ -390,11 +406,17 @@ impl TrainStep for Trainee {
         let context = self.context();
         let mut accumulator = GradientsAccumulator::new();
         let (loss, tokens) = over_batches(&item.micro, |batch| {
-            backward(&self.model, batch, context.recompute, |grads| {
-                context.backward_done();
-                accumulator
-                    .accumulate(&self.model, GradientsParams::from_grads(grads, &self.model));
-            })
+            backward(
+                &self.model,
+                batch,
+                context.recompute,
+                context.compute,
+                |grads| {
+                    context.backward_done();
+                    accumulator
+                        .accumulate(&self.model, GradientsParams::from_grads(grads, &self.model));
+                },
+            )
         });
         let mut grads = accumulator.grads();
         // Burn's accumulation sums; PyTorch users expect the mean over micro-batches.
@@ -428,7 +450,8 @@ impl InferenceStep for Trainee {
     type Output = StepStats;
 
     fn step(&self, item: StepBatch) -> StepStats {
-        let (loss, tokens) = over_batches(&item.micro, |batch| lm_loss(&self.model, batch));
+        let model = compute_copy(&self.model, self.context().compute);
+        let (loss, tokens) = over_batches(&item.micro, |batch| lm_loss(&model, batch));
         let stats = StepStats {
             loss,
             tokens,
