@@ -408,7 +408,7 @@ impl Plan {
                     if precision == Precision::F32 {
                         ""
                     } else {
-                        " (no f32 masters: updates below 2⁻⁸ of a weight round away; training.precision = \"bf16-mixed\" keeps them)"
+                        " (no f32 masters: updates under 2⁻⁹ of a weight round away; training.precision = \"bf16-mixed\" keeps them)"
                     }
                 ),
             },
