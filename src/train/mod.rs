@@ -45,7 +45,8 @@ use checkpoint::{CheckpointWriter, Verified};
 use control::Intervals;
 use diffzoo_datasets::needle::NeedleMix;
 use diffzoo_datasets::recall::{self, RecallMix, Vocabulary};
-use diffzoo_datasets::{Split, TextTokenizer};
+use diffzoo_datasets::{Split, TextTokenizer, TokenWindows};
+use diffzoo_models::Model;
 use loader::{Mixture, StepLoader};
 use metrics::{MetricsLog, StatMetric, StepMetric};
 use schedule::{Schedule, ScheduleState};
@@ -535,6 +536,7 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
 }
 
 /// Trains; `claimed` holds the run directory and its lock once the directory is this run's.
+/// What the user gave (devices, data, weights) is checked before the run directory is written.
 fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Result<Outcome> {
     let resolved = recipe::resolve(&args.recipe, &args.overrides)?;
     let recipe = &resolved.recipe;
@@ -548,99 +550,16 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
     for note in &resolved.notes {
         say!("{}: {note}", resolved.source);
     }
-    let specs = match (&args.device, args.devices.is_empty()) {
-        (_, false) => args.devices.iter().map(|d| d.trim().to_string()).collect(),
-        (Some(spec), true) => vec![spec.clone()],
-        (None, true) => vec![recipe.training.device.clone()],
-    };
-    let ranks = specs.len();
-    let shares = loader::shares(recipe.accumulation(), ranks)
-        .map_err(|e| anyhow!("{}: --devices {}: {e}", resolved.source, specs.join(",")))?;
-    let precision = recipe.training.precision;
-    let devices = device::parse_data_parallel(&specs, |device, spec| {
-        configure_precision(device, precision, spec)
-    })?;
-    // Burn puts a resumed run's optimizer state on its default device (the CPU's: see
-    // `cpu_default_device` in main.rs) before moving it to each parameter's: in the run's dtype.
-    let mut default = Device::default();
-    if args.resume && default != devices[0] {
-        configure_float(
-            &mut default,
-            precision.storage(),
-            precision.storage(),
-            "Burn's default (BURN_DEVICE)",
-            &format!("training.precision = \"{}\"", precision.name()),
-        )?;
-    }
-    let device = devices[0].clone();
-    let spec = specs.join(",");
+    let (specs, devices, shares) = training_devices(args, &resolved)?;
+    let (ranks, spec, device) = (specs.len(), specs.join(","), devices[0].clone());
     let dir = args
         .out
         .clone()
         .unwrap_or_else(|| Path::new("runs").join(&resolved.name));
-
-    let (tokenizer, shards) = run::open_data(recipe)?;
-    if args.verify_data {
-        let (files, bytes) = shards
-            .verify()
-            .with_context(|| format!("`data.corpus` = {:?}", recipe.data.corpus))?;
-        say!(
-            "verified {files} shard files ({bytes} bytes) of {}",
-            shards.dir.display()
-        );
-    }
-    if tokenizer.id_bound() > recipe.model.vocab_size {
-        bail!(
-            "{}: the tokenizer's ids run to {} but `model.vocab_size` = {} (`--set model.vocab_size={}` fixes it)",
-            resolved.source,
-            tokenizer.id_bound() - 1,
-            recipe.model.vocab_size,
-            tokenizer.id_bound()
-        );
-    }
-    let seq = recipe.data.seq_len;
-    let train = Arc::new(run::windows(&shards, Split::Train, seq)?);
-    let valid = Arc::new(run::windows(&shards, Split::Validation, seq)?);
-    if train.is_conversations() && (recipe.data.needles.is_some() || recipe.data.recall.is_some()) {
-        bail!(
-            "{}: conversation shards train one conversation per window; `data.needles` and `data.recall` mix documents into plain text windows: drop them",
-            shards.dir.display()
-        );
-    }
-    let micro = recipe.training.micro_batch;
-    if train.len() < recipe.batch_sequences() as u64 {
-        bail!(
-            "{}: the training split has {} windows of {seq} tokens, fewer than one batch ({})",
-            shards.dir.display(),
-            train.len(),
-            recipe.batch_sequences()
-        );
-    }
-    if valid.len() < micro as u64 {
-        bail!(
-            "{}: the validation split has {} windows of {seq} tokens, fewer than one micro-batch ({micro})",
-            shards.dir.display(),
-            valid.len()
-        );
-    }
-    let valid_batches = recipe
-        .checkpoint
-        .eval_batches
-        .min(valid.len() as usize / micro);
-
-    let mixture = mixture(recipe, &tokenizer)?;
+    let data = TrainingData::open(args, &resolved)?;
     let train_device = device.clone().autodiff();
     train_device.seed(recipe.training.seed);
-    let model = match (&recipe.training.init_from, args.resume) {
-        (Some(path), false) => {
-            let (model, weights) =
-                run::load_weights(Path::new(path), &recipe.model_config(), &train_device)
-                    .with_context(|| format!("`training.init_from` of {}", resolved.source))?;
-            say!("initialised from {weights}");
-            model
-        }
-        _ => recipe.model_config().init(&train_device),
-    };
+    let model = initial_model(args, &resolved, &train_device)?;
 
     // What the user gave is checked: from here on the run directory is written.
     if args.resume && !dir.join(run::RECIPE).exists() {
@@ -651,7 +570,7 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
         );
     }
     let mut lock = lock::RunLock::take(&dir)?;
-    let resume_from = prepare_run_dir(&dir, recipe, &tokenizer, args.resume)?;
+    let resume_from = prepare_run_dir(&dir, recipe, &data.tokenizer, args.resume)?;
     lock.claim()?;
     RunEnd::clear(&dir)?;
     *claimed = Some((dir.clone(), lock));
@@ -673,57 +592,25 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
             intervals,
             interrupter.clone(),
             (!dashboard).then_some(recipe.training.log_every),
-            valid_batches,
+            data.valid_batches,
             MetricsLog::open(&dir.join(run::METRICS))
                 .with_context(|| format!("opening {}", dir.join(run::METRICS).display()))?
                 .with_tensorboard(&dir.join(tensorboard::DIR), &dir.join(run::METRICS))
                 .with_context(|| format!("writing {}", dir.join(tensorboard::DIR).display()))?,
         )
         .recomputing(recipe.training.recompute)
-        .computing_in(precision.compute())
+        .computing_in(recipe.training.precision.compute())
         .data_parallel(ranks),
     );
     let trainee = Trainee {
         model,
         context: Some(context.clone()),
     };
-    let params = recipe.model_config().param_count();
-    say!(
-        "{}: {} model, {:.2}M parameters ({:.2}M non-embedding), {total} steps of {} tokens ({} micro-batches of {micro} × {seq}) on {spec}; run directory {}",
-        resolved.name,
-        recipe.model.attention,
-        params.total as f64 / 1e6,
-        params.non_embedding as f64 / 1e6,
-        recipe.training.batch_tokens,
-        recipe.accumulation(),
-        dir.display()
-    );
-    if recipe.training.recompute == Recompute::Block {
-        say!(
-            "blocks recomputed in the backward pass (training.recompute = \"block\"): each keeps only its input, one more forward pass per step"
-        );
-    }
-    if precision.compute().is_some() {
-        say!(
-            "mixed precision (training.precision = \"{}\"): forward and backward passes in bf16 from f32 master weights; gradients accumulated, clipped and all-reduced in f32, AdamW and its moments in f32",
-            precision.name()
-        );
-    }
-    if ranks > 1 {
-        say!(
-            "data parallel over {ranks} devices: {shares} micro-batches each per step, gradients averaged by all-reduce"
-        );
-    }
-    if resume_from.number > 0 {
-        say!(
-            "resuming from checkpoint {} (step {})",
-            resume_from.number,
-            resume_from.step
-        );
-    }
+    announce(&resolved, &spec, &dir, shares, ranks, &resume_from);
 
+    let micro = recipe.training.micro_batch;
     let mut train_loader = StepLoader::training(
-        train,
+        data.train,
         recipe.training.seed,
         recipe.batch_sequences(),
         micro,
@@ -731,7 +618,7 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
         device.clone(),
     )
     .with_control(context.control.clone());
-    if let Some(mixture) = mixture {
+    if let Some(mixture) = data.mixture {
         train_loader = train_loader.with_mixture(mixture);
     }
     let strategy = if ranks == 1 {
@@ -745,7 +632,7 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
             },
         )
     };
-    let valid_loader = StepLoader::validation(valid, micro, valid_batches, device.clone())
+    let valid_loader = StepLoader::validation(data.valid, micro, data.valid_batches, device)
         .with_control(context.control.clone());
     let checkpoints = CheckpointWriter::new(
         &dir.join(run::CHECKPOINTS),
@@ -804,7 +691,194 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
         optimizer(&recipe.optimizer)?,
         scheduler,
     ));
+    finish(args, recipe, &dir, &context, &checkpoints, result)
+}
 
+/// The devices `train` runs on (`--devices`, `--device` or the recipe's), each set up for the
+/// recipe's precision, with the names they were given and each device's share of a step's
+/// micro-batches.
+fn training_devices(
+    args: &TrainArgs,
+    resolved: &recipe::Resolved,
+) -> Result<(Vec<String>, Vec<Device>, usize)> {
+    let recipe = &resolved.recipe;
+    let specs: Vec<String> = match (&args.device, args.devices.is_empty()) {
+        (_, false) => args.devices.iter().map(|d| d.trim().to_string()).collect(),
+        (Some(spec), true) => vec![spec.clone()],
+        (None, true) => vec![recipe.training.device.clone()],
+    };
+    let shares = loader::shares(recipe.accumulation(), specs.len())
+        .map_err(|e| anyhow!("{}: --devices {}: {e}", resolved.source, specs.join(",")))?;
+    let precision = recipe.training.precision;
+    let devices = device::parse_data_parallel(&specs, |device, spec| {
+        configure_precision(device, precision, spec)
+    })?;
+    // Burn puts a resumed run's optimizer state on its default device (the CPU's: see
+    // `cpu_default_device` in main.rs) before moving it to each parameter's: in the run's dtype.
+    let mut default = Device::default();
+    if args.resume && default != devices[0] {
+        configure_float(
+            &mut default,
+            precision.storage(),
+            precision.storage(),
+            "Burn's default (BURN_DEVICE)",
+            &format!("training.precision = \"{}\"", precision.name()),
+        )?;
+    }
+    Ok((specs, devices, shares))
+}
+
+/// A run's data, opened and checked against its recipe.
+struct TrainingData {
+    tokenizer: TextTokenizer,
+    train: Arc<TokenWindows>,
+    valid: Arc<TokenWindows>,
+    /// Validation batches at each checkpoint (`checkpoint.eval_batches`, at most the split).
+    valid_batches: usize,
+    /// Synthetic documents mixed into training windows (`data.needles`, `data.recall`).
+    mixture: Option<Mixture>,
+}
+
+impl TrainingData {
+    fn open(args: &TrainArgs, resolved: &recipe::Resolved) -> Result<Self> {
+        let recipe = &resolved.recipe;
+        let (tokenizer, shards) = run::open_data(recipe)?;
+        if args.verify_data {
+            let (files, bytes) = shards
+                .verify()
+                .with_context(|| format!("`data.corpus` = {:?}", recipe.data.corpus))?;
+            say!(
+                "verified {files} shard files ({bytes} bytes) of {}",
+                shards.dir.display()
+            );
+        }
+        if tokenizer.id_bound() > recipe.model.vocab_size {
+            bail!(
+                "{}: the tokenizer's ids run to {} but `model.vocab_size` = {} (`--set model.vocab_size={}` fixes it)",
+                resolved.source,
+                tokenizer.id_bound() - 1,
+                recipe.model.vocab_size,
+                tokenizer.id_bound()
+            );
+        }
+        let seq = recipe.data.seq_len;
+        let train = Arc::new(run::windows(&shards, Split::Train, seq)?);
+        let valid = Arc::new(run::windows(&shards, Split::Validation, seq)?);
+        if train.is_conversations()
+            && (recipe.data.needles.is_some() || recipe.data.recall.is_some())
+        {
+            bail!(
+                "{}: conversation shards train one conversation per window; `data.needles` and `data.recall` mix documents into plain text windows: drop them",
+                shards.dir.display()
+            );
+        }
+        let micro = recipe.training.micro_batch;
+        if train.len() < recipe.batch_sequences() as u64 {
+            bail!(
+                "{}: the training split has {} windows of {seq} tokens, fewer than one batch ({})",
+                shards.dir.display(),
+                train.len(),
+                recipe.batch_sequences()
+            );
+        }
+        if valid.len() < micro as u64 {
+            bail!(
+                "{}: the validation split has {} windows of {seq} tokens, fewer than one micro-batch ({micro})",
+                shards.dir.display(),
+                valid.len()
+            );
+        }
+        let valid_batches = recipe
+            .checkpoint
+            .eval_batches
+            .min(valid.len() as usize / micro);
+        let mixture = mixture(recipe, &tokenizer)?;
+        Ok(Self {
+            tokenizer,
+            train,
+            valid,
+            valid_batches,
+            mixture,
+        })
+    }
+}
+
+/// The model a run starts from: `training.init_from`'s weights, or a fresh initialisation (also
+/// on resume, where the checkpoint's weights replace it).
+fn initial_model(args: &TrainArgs, resolved: &recipe::Resolved, device: &Device) -> Result<Model> {
+    let recipe = &resolved.recipe;
+    Ok(match (&recipe.training.init_from, args.resume) {
+        (Some(path), false) => {
+            let (model, weights) =
+                run::load_weights(Path::new(path), &recipe.model_config(), device)
+                    .with_context(|| format!("`training.init_from` of {}", resolved.source))?;
+            say!("initialised from {weights}");
+            model
+        }
+        _ => recipe.model_config().init(device),
+    })
+}
+
+/// Says what is about to train, where and how.
+fn announce(
+    resolved: &recipe::Resolved,
+    spec: &str,
+    dir: &Path,
+    shares: usize,
+    ranks: usize,
+    resume_from: &Verified,
+) {
+    let recipe = &resolved.recipe;
+    let params = recipe.model_config().param_count();
+    say!(
+        "{}: {} model, {:.2}M parameters ({:.2}M non-embedding), {} steps of {} tokens ({} micro-batches of {} × {}) on {spec}; run directory {}",
+        resolved.name,
+        recipe.model.attention,
+        params.total as f64 / 1e6,
+        params.non_embedding as f64 / 1e6,
+        recipe.total_steps(),
+        recipe.training.batch_tokens,
+        recipe.accumulation(),
+        recipe.training.micro_batch,
+        recipe.data.seq_len,
+        dir.display()
+    );
+    if recipe.training.recompute == Recompute::Block {
+        say!(
+            "blocks recomputed in the backward pass (training.recompute = \"block\"): each keeps only its input, one more forward pass per step"
+        );
+    }
+    let precision = recipe.training.precision;
+    if precision.compute().is_some() {
+        say!(
+            "mixed precision (training.precision = \"{}\"): forward and backward passes in bf16 from f32 master weights; gradients accumulated, clipped and all-reduced in f32, AdamW and its moments in f32",
+            precision.name()
+        );
+    }
+    if ranks > 1 {
+        say!(
+            "data parallel over {ranks} devices: {shares} micro-batches each per step, gradients averaged by all-reduce"
+        );
+    }
+    if resume_from.number > 0 {
+        say!(
+            "resuming from checkpoint {} (step {})",
+            resume_from.number,
+            resume_from.step
+        );
+    }
+}
+
+/// What the learner's end means: a failure, a stop at a checkpoint to resume from, or the end
+/// of the run, whose last checkpoint's model becomes the final model.
+fn finish(
+    args: &TrainArgs,
+    recipe: &Recipe,
+    dir: &Path,
+    context: &StepContext,
+    checkpoints: &CheckpointWriter,
+    result: LearningResult<Trainee>,
+) -> Result<Outcome> {
     let LearningResult {
         model,
         renderer,
@@ -819,6 +893,7 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
     if let Some(error) = error {
         bail!("training failed: {error}");
     }
+    let total = recipe.total_steps();
     let done = context.control.steps_done();
     if done < total {
         let why = match context.control.paused() {
@@ -848,7 +923,7 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
             .join(checkpoint::part_name("model", c.number))
     });
     run::save_final(
-        &dir,
+        dir,
         &model.model,
         last.as_deref(),
         recipe.checkpoint.safetensors,
