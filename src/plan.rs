@@ -101,8 +101,15 @@ pub struct Memory {
     pub weights: f64,
     /// Mixed precision's f32 master weights (none otherwise).
     pub masters: f64,
+    /// The step's gradients, summed over its micro-batches.
     pub gradients: f64,
     pub optimizer: f64,
+    /// A micro-batch's own gradients while they are added to the sum, on a device that
+    /// accumulates more than one micro-batch per step: the whole model's, or with per-block
+    /// recomputation its largest part's (the embedding, the head or a block), as the recipe trains.
+    pub accumulating: f64,
+    /// The same with per-block recomputation.
+    pub accumulating_recomputed: f64,
     /// Activations kept for one micro-batch as the recipe trains (its attention implementation
     /// and `training.recompute`).
     pub activations: f64,
@@ -114,6 +121,17 @@ impl Memory {
     /// Weights (and masters), gradients and optimizer state.
     pub fn state(&self) -> f64 {
         self.weights + self.masters + self.gradients + self.optimizer
+    }
+
+    /// A step's peak as the recipe trains: the state, a micro-batch's gradients being
+    /// accumulated and one micro-batch's activations.
+    pub fn peak(&self) -> f64 {
+        self.state() + self.accumulating + self.activations
+    }
+
+    /// The peak with per-block recomputation.
+    pub fn peak_recomputed(&self) -> f64 {
+        self.state() + self.accumulating_recomputed + self.activations_recomputed
     }
 
     /// What a sharded optimizer would spread over the GPUs: the moments and the masters.
@@ -275,11 +293,27 @@ impl Plan {
         let recomputed =
             layers * inputs + (head + head_backward).max(block + backward + 2.0 * inputs);
         let recompute = recipe.training.recompute == Recompute::Block;
+        let micro_batches = recipe.accumulation();
+        // A device of `gpus` takes its share of the micro-batches (all of them where they do not
+        // share out: such a plan cannot run anyway).
+        let per_device =
+            crate::train::loader::shares(micro_batches, gpus.unwrap_or(1)).unwrap_or(micro_batches);
+        let (whole, part) = if per_device > 1 {
+            // The recomputed backward passes hand over the head's, each block's and the
+            // embedding's gradients one part at a time.
+            let embedding = vocab * dm;
+            let block_params = (config.param_count().non_embedding as f64 - dm) / layers;
+            (n * gradients, embedding.max(block_params) * gradients)
+        } else {
+            (0.0, 0.0)
+        };
         let memory = Memory {
             weights: n * weights,
             masters: n * masters,
             gradients: n * gradients,
             optimizer: n * optimizer,
+            accumulating: if recompute { part } else { whole },
+            accumulating_recomputed: part,
             activations: if recompute {
                 recomputed
             } else {
@@ -288,11 +322,13 @@ impl Plan {
             activations_recomputed: recomputed,
         };
         let usable = gpu.memory_bytes * USABLE;
-        let state = memory.state();
-        let replicated = memory.weights + memory.gradients + memory.activations_recomputed;
-        let fit = if state + memory.activations <= usable {
+        let replicated = memory.weights
+            + memory.gradients
+            + memory.accumulating_recomputed
+            + memory.activations_recomputed;
+        let fit = if memory.peak() <= usable {
             Fit::Fits
-        } else if state + memory.activations_recomputed <= usable {
+        } else if memory.peak_recomputed() <= usable {
             Fit::NeedsRecomputation
         } else if replicated < usable {
             Fit::NeedsSharding((memory.shardable() / (usable - replicated)).ceil().max(1.0) as usize)
@@ -300,7 +336,6 @@ impl Plan {
             Fit::Never
         };
         let gpus = gpus.unwrap_or(1);
-        let micro_batches = recipe.accumulation();
         let runnable = runnable(fit, gpus, micro_batches);
         let training_flops = recipe.derived().training_flops;
         let executed = if recompute || fit == Fit::NeedsRecomputation {
@@ -328,7 +363,8 @@ impl Plan {
             gpus,
             micro_batches,
             micro_batch: recipe.training.micro_batch,
-            one_sequence_fits: state + memory.activations / recipe.training.micro_batch as f64
+            one_sequence_fits: memory.peak() - memory.activations
+                + memory.activations / recipe.training.micro_batch as f64
                 <= usable,
             training_flops,
             days: seconds.map(|s| s / 86_400.0),
@@ -357,7 +393,7 @@ impl Plan {
         } else {
             match crate::train::loader::shares(self.micro_batches, n) {
                 Ok(each) => format!(
-                    "data parallel: train with --devices {}{} ({each} micro-batches per GPU and step, each backward pass all-reducing {:.1} GB of {} gradients)",
+                    "data parallel: train with --devices {}{} ({each} micro-batches per GPU and step, each all-reducing {:.1} GB of {} gradients)",
                     (0..n)
                         .map(|i| format!("cuda:{i}"))
                         .collect::<Vec<_>>()
@@ -390,56 +426,69 @@ impl Plan {
         let m = &self.memory;
         let name = &self.gpu.name;
         let grads = self.gradient_dtype();
-        let mut lines = vec![
-            match self.precision {
-                Precision::Bf16Mixed => format!(
-                    "memory per device (bf16-mixed): bf16 weights {:.1} GB, f32 masters {:.1} GB, f32 gradients {:.1} GB, f32 AdamW state {:.1} GB",
-                    gb(m.weights),
-                    gb(m.masters),
-                    gb(m.gradients),
-                    gb(m.optimizer)
-                ),
-                precision => format!(
-                    "memory per device ({}): weights, gradients and AdamW state in {grads}: {:.1} GB, {:.1} GB, {:.1} GB{}",
-                    precision.name(),
-                    gb(m.weights),
-                    gb(m.gradients),
-                    gb(m.optimizer),
-                    if precision == Precision::F32 {
-                        ""
-                    } else {
-                        " (no f32 masters: updates under 2⁻⁹ of a weight round away; training.precision = \"bf16-mixed\" keeps them)"
+        let mut lines = vec![match self.precision {
+            Precision::Bf16Mixed => format!(
+                "memory per device (bf16-mixed): bf16 weights {:.1} GB, f32 masters {:.1} GB, f32 gradients {:.1} GB, f32 AdamW state {:.1} GB",
+                gb(m.weights),
+                gb(m.masters),
+                gb(m.gradients),
+                gb(m.optimizer)
+            ),
+            precision => format!(
+                "memory per device ({}): weights, gradients and AdamW state in {grads}: {:.1} GB, {:.1} GB, {:.1} GB{}",
+                precision.name(),
+                gb(m.weights),
+                gb(m.gradients),
+                gb(m.optimizer),
+                match precision {
+                    Precision::Bf16Pure => {
+                        " (no f32 masters: an update under 2⁻⁹ of its weight rounds away; training.precision = \"bf16-mixed\" keeps them)"
                     }
-                ),
-            },
-            format!(
-                "activations per micro-batch ({}-byte elements, {} attention{}): {:.1} GB{}",
-                self.bytes_per_element,
-                self.attention,
-                if self.recompute {
-                    ", blocks recomputed"
-                } else {
-                    ""
-                },
-                gb(m.activations),
-                if self.recompute {
-                    String::new()
-                } else {
-                    format!(
-                        " ({:.1} GB with blocks recomputed)",
-                        gb(m.activations_recomputed)
-                    )
+                    Precision::F16Pure => {
+                        " (no f32 masters and no loss scaling: an update under 2⁻¹² of its weight rounds away and small gradients underflow)"
+                    }
+                    Precision::F32 | Precision::Bf16Mixed => "",
                 }
             ),
-        ];
+        }];
+        if m.accumulating > 0.0 {
+            lines[0].push_str(&format!(
+                "; {:.1} GB more while a micro-batch's gradients are added to the step's ({} micro-batches per device{})",
+                gb(m.accumulating),
+                self.micro_batches / self.gpus.max(1),
+                if self.recompute {
+                    ", one part at a time with blocks recomputed"
+                } else {
+                    ""
+                }
+            ));
+        }
+        lines.push(format!(
+            "activations per micro-batch ({}-byte elements, {} attention{}): {:.1} GB{}",
+            self.bytes_per_element,
+            self.attention,
+            if self.recompute {
+                ", blocks recomputed"
+            } else {
+                ""
+            },
+            gb(m.activations),
+            if self.recompute {
+                String::new()
+            } else {
+                format!(
+                    " ({:.1} GB with blocks recomputed)",
+                    gb(m.activations_recomputed)
+                )
+            }
+        ));
         let usable = gb(self.gpu.memory_bytes * USABLE);
-        let state = m.state();
-        let needed = gb(state + m.activations);
+        let needed = gb(m.peak());
         lines.push(match self.fit {
             Fit::Fits => format!("fits one {name} ({needed:.1} of {usable:.0} GB usable)"),
             Fit::NeedsRecomputation => format!(
                 "fits one {name} only with per-block recomputation: {:.1} of {usable:.0} GB usable with training.recompute = \"block\" ({needed:.1} GB without; train with {RECOMPUTE_SET}){}",
-                gb(state + m.activations_recomputed),
+                gb(m.peak_recomputed()),
                 if self.micro_batch > 1 && self.one_sequence_fits {
                     "; or training.micro_batch = 1, which fits without it"
                 } else {
@@ -659,6 +708,13 @@ mod tests {
         assert!(close(m.weights, 2.0 * n) && close(m.masters, 4.0 * n));
         assert!(close(m.gradients, 4.0 * n) && close(m.optimizer, 8.0 * n));
         assert!(close(m.state(), 18.0 * n));
+        // 32 micro-batches a step: a micro-batch's f32 gradients beside the step's sum, or with
+        // blocks recomputed those of its largest part, the 100,288 × 1,536 embedding; none on
+        // 32 GPUs of one micro-batch each.
+        assert!(close(m.accumulating, 4.0 * n));
+        assert!(close(m.accumulating_recomputed, 4.0 * 100_288.0 * 1536.0));
+        let one_each = plan("paper/size-scaling/830m-transformer", &[], "h100", Some(32));
+        assert_eq!(one_each.memory.accumulating, 0.0);
         // Per token and layer: norms 4·1536, Q K V 3·1536, rotated Q K 2·1536, attention output
         // 1536, SwiGLU 4·4096 elements; attention at 2,048 positions (flash by default): the
         // output and L (f32: two bf16 elements) of 16 heads of 96 (MHA: K and V are not copied),
@@ -731,7 +787,7 @@ mod tests {
         assert_eq!(
             line(4).unwrap(),
             format!(
-                "data parallel: train with --devices cuda:0,cuda:1,cuda:2,cuda:3 (8 micro-batches per GPU and step, each backward pass all-reducing {:.1} GB of f32 gradients)",
+                "data parallel: train with --devices cuda:0,cuda:1,cuda:2,cuda:3 (8 micro-batches per GPU and step, each all-reducing {:.1} GB of f32 gradients)",
                 gradients / 1e9
             )
         );
@@ -952,7 +1008,8 @@ mod tests {
             };
             let usable = 141e9 * USABLE;
             let m = &big.memory;
-            let replicated = m.weights + m.gradients + m.activations_recomputed;
+            let replicated =
+                m.weights + m.gradients + m.accumulating_recomputed + m.activations_recomputed;
             let sharded = m.masters + m.optimizer;
             assert!(n > 1);
             assert!(replicated + sharded / n as f64 <= usable);

@@ -331,7 +331,7 @@ pub enum Precision {
     /// AdamW's update and both moments f32. What large runs use.
     Bf16Mixed,
     /// Everything in bf16, weights and AdamW moments included (the device's float dtype): an
-    /// update below bf16's resolution relative to its weight (2⁻⁸) rounds away. Kept to compare.
+    /// update below half a bf16 step (2⁻⁹ to 2⁻⁸ of its weight) rounds away. Kept to compare.
     Bf16Pure,
     /// Everything in f16, as `bf16-pure` (no loss scaling).
     F16Pure,
@@ -1202,12 +1202,12 @@ pub fn resolve(name: &str, overrides: &[String]) -> Result<Resolved> {
     }
     let mut notes = model_of_init(&mut table)?;
     notes.extend(follow_shards(&mut table, &layers));
-    notes.extend(legacy_dtype(&mut table, &layers).map_err(|e| anyhow!("{source}: {e}"))?);
     let origin = if overrides.is_empty() {
         source.to_string()
     } else {
         format!("{source} (with --set)")
     };
+    notes.extend(legacy_dtype(&mut table, &layers).map_err(|e| anyhow!("{origin}: {e}"))?);
     let recipe: Recipe =
         serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
             let path = e.path().to_string();
@@ -1332,12 +1332,18 @@ pub fn from_run_file(path: &Path) -> Result<Recipe> {
     let mut table: toml::Table = text
         .parse()
         .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    if table
+        .get("training")
+        .is_none_or(|t| t.get("dtype").is_none())
+    {
+        // Nothing to read anew: parsed from the text, errors keep their line and column.
+        return toml::from_str(&text).map_err(|e| anyhow!("{}: {e}", path.display()));
+    }
     let layers = [table.clone()];
     legacy_dtype(&mut table, &layers).with_context(|| path.display().to_string())?;
-    let recipe: Recipe = toml::Value::Table(table)
+    toml::Value::Table(table)
         .try_into()
-        .map_err(|e| anyhow!("{}: {e}", path.display()))?;
-    Ok(recipe)
+        .map_err(|e| anyhow!("{}: {e}", path.display()))
 }
 
 /// Numbers derived from a recipe, all computed (see `diffzoo_models::budget`).

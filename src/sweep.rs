@@ -620,12 +620,11 @@ fn slurm_jobs(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
                 // of memory as written: the recipe has to say so, not the sweep.
                 if plan.fit == Fit::NeedsRecomputation {
                     let m = &plan.memory;
-                    let state = m.state();
                     unfit.push(format!(
                         "{name} cannot run on {gpus} × {} as written: it fits only with per-block recomputation, `training.recompute = \"block\"` in its [training] ({:.1} GB per GPU with it, {:.1} GB without)",
                         plan.gpu.name,
-                        (state + m.activations_recomputed) / 1e9,
-                        (state + m.activations) / 1e9
+                        m.peak_recomputed() / 1e9,
+                        m.peak() / 1e9
                     ));
                     continue;
                 }
@@ -642,7 +641,7 @@ fn slurm_jobs(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
                     ));
                     continue;
                 }
-                let memory = plan.memory.state() + plan.memory.activations;
+                let memory = plan.memory.peak();
                 about.push(format!(
                     "{name}: {:.1} GB per GPU{}",
                     memory / 1e9,

@@ -295,6 +295,13 @@ fn a_mixed_precision_run_resumes_exactly_and_a_pure_one_is_not_resumed_as_mixed(
     let mixed = ["training.precision=bf16-mixed"];
     let reference = tmp.path().join("reference");
     train(&reference, &mixed, false);
+    let full = tmp.path().join("f32");
+    train(&full, &[], false);
+    assert_ne!(
+        losses(&reference),
+        losses(&full),
+        "bf16-mixed computes in bf16"
+    );
     let run = tmp.path().join("run");
     killed_copy(&reference, &run, 1, 10);
     let log = train(&run, &mixed, true);
@@ -317,6 +324,7 @@ fn a_mixed_precision_run_resumes_exactly_and_a_pure_one_is_not_resumed_as_mixed(
     );
     assert!(
         err.contains("training.precision = \"bf16-pure\" in the run, \"bf16-mixed\" now")
+            && err.contains("--set training.precision=\"bf16-pure\"")
             && err.contains("training.init_from"),
         "{err}"
     );

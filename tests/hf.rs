@@ -171,6 +171,9 @@ fn transformers_checkpoints_import_to_their_nll_on_every_backend() {
         "--dtype",
         "bf16",
     ]);
+    // A bf16 import fine-tunes in mixed precision: f32 masters hold its weights exactly.
+    let recipe = std::fs::read_to_string(bf16.join("recipe.toml")).unwrap();
+    assert!(recipe.contains("precision = \"bf16-mixed\""), "{recipe}");
     let f32s = tensors(&tmp.path().join("diffllama_gqa/model.safetensors"));
     let bf16s = tensors(&bf16.join("model.safetensors"));
     assert_eq!(f32s.len(), bf16s.len());

@@ -2,8 +2,9 @@
 //!
 //! ```text
 //! θ̃ = bf16(θ)                 every float parameter, inside the autodiff graph
-//! ℓ = loss(f(x; θ̃))           the forward and backward passes in bf16 (norm statistics, λ,
-//!                             softmax and the loss in f32, as the layers cast them)
+//! ℓ = loss(f(x; θ̃))           the forward and backward passes in bf16 (RMSNorm statistics,
+//!                             λ's exponentials, the flash path's softmax and the loss in f32,
+//!                             as the layers cast them; the explicit path's softmax in bf16)
 //! ∂ℓ/∂θ = f32(∂ℓ/∂θ̃)          the cast's backward: each master gets an f32 gradient
 //! ```
 //!

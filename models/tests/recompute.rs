@@ -102,7 +102,15 @@ fn compare(
     let recomputed_loss = model.backward_recomputed(
         input,
         compute,
-        |logits| loss(logits, &targets, device),
+        |logits| {
+            let expected = compute.map_or(DType::F32, DType::from);
+            assert_eq!(
+                logits.dtype(),
+                expected,
+                "{what}: the head computes in its dtype"
+            );
+            loss(logits, &targets, device)
+        },
         |grads| {
             calls += 1;
             for (sum, (_, grad)) in sums.iter_mut().zip(param_grads(&model, &grads)) {

@@ -172,15 +172,18 @@ fn resume_conflicts(stored: &Recipe, given: &Recipe) -> Vec<String> {
         .differences(&unplaced(given))
         .into_iter()
         .map(|(key, was, now)| {
+            let hint = if key == "training.precision" {
+                format!(
+                    " (its checkpoints keep weights and AdamW moments in the run's dtypes: resume it as trained with --set training.precision={}, or start a new run in another precision from its weights with training.init_from)",
+                    was.as_deref().unwrap_or("\"f32\"")
+                )
+            } else {
+                String::new()
+            };
             format!(
-                "{key} = {} in the run, {} now{}",
+                "{key} = {} in the run, {} now{hint}",
                 was.unwrap_or_else(unset),
                 now.unwrap_or_else(unset),
-                if key == "training.precision" {
-                    " (its checkpoints keep weights and AdamW moments in the run's dtypes; to go on in another precision, start a new run from its weights with training.init_from)"
-                } else {
-                    ""
-                }
             )
         })
         .collect()
