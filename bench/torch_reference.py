@@ -170,7 +170,13 @@ def timed(fn, warmup, reps, sync):
         fn()
         sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def spread(n, times):
+    """Tokens per second of each repetition: min, median, max."""
+    rates = sorted(n / t for t in times)
+    return {"min": rates[0], "median": statistics.median(rates), "max": rates[-1]}
 
 
 def measure(args, attention, device, dtype):
@@ -210,8 +216,10 @@ def measure(args, attention, device, dtype):
     return {
         "attention": attention,
         "params": params,
-        "forward_tokens_per_sec": n / forward_s,
-        "step_tokens_per_sec": n / step_s,
+        "forward_tokens_per_sec": n / statistics.median(forward_s),
+        "step_tokens_per_sec": n / statistics.median(step_s),
+        "forward_spread": spread(n, forward_s),
+        "step_spread": spread(n, step_s),
         "peak_bytes": peak,
     }
 

@@ -15,6 +15,12 @@
 //! `RAYON_NUM_THREADS` and `OMP_NUM_THREADS` (LibTorch's) set to the thread count PyTorch gets.
 //! `bench/torch_reference.py` measures PyTorch the same way; `--torch` runs it with the same
 //! shapes and thread count and prints diffzoo / PyTorch ratios.
+//!
+//! Each figure comes with the spread of its repetitions and the CPU time other processes took
+//! while it was measured; the report names the CPU and warns where a figure should not be
+//! believed ([`trust`]).
+
+mod trust;
 
 use crate::device;
 use crate::plan::Gpu;
@@ -31,6 +37,7 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
+use trust::{Cpu, Figure, LoadProbe, Spread};
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -205,8 +212,17 @@ pub struct Measurement {
     pub params: u64,
     pub forward_tokens_per_sec: f64,
     pub step_tokens_per_sec: f64,
+    /// Tokens/s over the repetitions (their median is `forward_tokens_per_sec`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forward_spread: Option<Spread>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_spread: Option<Spread>,
     /// `None` where the platform gives no figure.
     pub peak_bytes: Option<u64>,
+    /// Cores' worth of CPU time other processes took while this was measured (set by the
+    /// process that started the measurement).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub competing_cores: Option<f64>,
 }
 
 /// What PyTorch's harness printed.
@@ -217,6 +233,9 @@ pub struct TorchRun {
     pub device: String,
     pub attention_impl: String,
     pub results: Vec<Measurement>,
+    /// Cores other processes took while PyTorch was measured.
+    #[serde(default)]
+    pub competing_cores: Option<f64>,
 }
 
 /// diffzoo / PyTorch, for the same device kind and variant.
@@ -256,8 +275,13 @@ pub fn median(values: &mut [f64]) -> f64 {
     }
 }
 
-/// Median seconds of `reps` calls of `f` after `warmup` untimed ones.
-fn timed(warmup: usize, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+/// The tokens/s of `reps` calls of `f` processing `tokens` each, after `warmup` untimed ones.
+fn timed(
+    tokens: usize,
+    warmup: usize,
+    reps: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<Spread> {
     for _ in 0..warmup {
         f()?;
     }
@@ -267,30 +291,13 @@ fn timed(warmup: usize, reps: usize, mut f: impl FnMut() -> Result<()>) -> Resul
         f()?;
         times.push(start.elapsed().as_secs_f64());
     }
-    Ok(median(&mut times))
+    Ok(Spread::of_rates(tokens as f64, &times))
 }
 
-/// The CPU's model and the widest x86 vector extension it has (from `/proc/cpuinfo`): Flex's
-/// speed relative to PyTorch depends on both.
+/// The CPU's model and its widest vector and matrix extensions (from `/proc/cpuinfo`): Flex's
+/// speed relative to PyTorch depends on them.
 pub fn cpu() -> String {
-    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let field = |name: &str| {
-        info.lines()
-            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
-            .and_then(|l| l.split_once(':'))
-            .map(|(_, v)| v.trim().to_string())
-    };
-    let model = field("model name").unwrap_or_else(|| std::env::consts::ARCH.to_string());
-    let flags = field("flags").unwrap_or_default();
-    let has = |flag: &str| flags.split_whitespace().any(|f| f == flag);
-    let isa = ["avx512f", "avx2", "avx", "sse4_2"]
-        .into_iter()
-        .find(|f| has(f))
-        .map(|f| f.replace("avx512f", "avx512").replace('_', "."));
-    match isa {
-        Some(isa) => format!("{model} ({isa})"),
-        None => model,
-    }
+    Cpu::here().summary()
 }
 
 /// A field of `/proc/self/status` in bytes (`None` off Linux).
@@ -386,6 +393,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         })?;
     }
     // PyTorch first: a missing or broken Python fails before minutes of measuring.
+    let load_before = trust::load_average();
     let mut torch = Vec::new();
     if args.torch {
         let default_ffn = ModelConfig::default_ffn_hidden(shape.d_model);
@@ -410,7 +418,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         devices.dedup();
         for device in devices {
             eprintln!("bench: PyTorch on {device}");
-            let run = run_torch(args, &shape, &device)?;
+            let probe = LoadProbe::start();
+            let mut run = run_torch(args, &shape, &device)?;
+            run.competing_cores = probe.and_then(|p| p.competing_cores());
             for theirs in &run.results {
                 let kind: AttentionKind = theirs.attention.parse().map_err(|e| anyhow!("{e}"))?;
                 let ours = shape
@@ -431,7 +441,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     for spec in &args.devices {
         for &attention in &args.attention {
             eprintln!("bench: {attention} on {spec}");
-            measured.push((spec.clone(), spawn_child(args, spec, attention)?));
+            let probe = LoadProbe::start();
+            let mut measurement = spawn_child(args, spec, attention)?;
+            measurement.competing_cores = probe.and_then(|p| p.competing_cores());
+            measured.push((spec.clone(), measurement));
         }
     }
     let flops = |attention: &str| {
@@ -442,9 +455,13 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         config.flops_per_token(args.seq).training
     };
     let rows = rows(&measured, &torch, flops, peak_flops);
+    let warnings = report_warnings(load_before, &rows, &torch);
     let report = serde_json::json!({
             "shape": shape,
             "cpu": cpu(),
+            "cpu_info": Cpu::here(),
+            "load_before": load_before,
+            "warnings": warnings,
             "attention_impl": args.attention_impl,
             "attention_block": args.attention_block,
             "recompute": args.recompute,
@@ -460,6 +477,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 "device": run.device,
                 "threads": run.threads,
                 "attention_impl": run.attention_impl,
+                "competing_cores": run.competing_cores,
             })).collect::<Vec<_>>(),
             "rows": rows,
     });
@@ -471,8 +489,42 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         println!("{report}");
     } else {
         print_table(args, &shape, &torch, &rows);
+        for warning in &warnings {
+            println!("warning: {warning}");
+        }
     }
     Ok(())
+}
+
+/// The report's warnings ([`trust::warnings`]): the load before the run, and each measured
+/// figure's competition and spread, ours and PyTorch's.
+fn report_warnings(
+    load_before: Option<f64>,
+    rows: &[Row],
+    torch: &[(String, TorchRun)],
+) -> Vec<String> {
+    let mut figures = Vec::new();
+    let mut add = |who: String, m: &Measurement, competing: Option<f64>| {
+        figures.push(Figure {
+            what: format!("{who} {} step", m.attention),
+            spread: m.step_spread,
+            competing,
+        });
+        figures.push(Figure {
+            what: format!("{who} {} forward", m.attention),
+            spread: m.forward_spread,
+            competing: None,
+        });
+    };
+    for row in rows {
+        add(row.device.clone(), &row.ours, row.ours.competing_cores);
+    }
+    for (device, run) in torch {
+        for m in &run.results {
+            add(format!("PyTorch {device}"), m, run.competing_cores);
+        }
+    }
+    trust::warnings(load_before, &figures)
 }
 
 fn print_table(args: &BenchArgs, shape: &Shape, torch: &[(String, TorchRun)], rows: &[Row]) {
@@ -516,12 +568,14 @@ fn print_table(args: &BenchArgs, shape: &Shape, torch: &[(String, TorchRun)], ro
     let mib = |b: Option<u64>| b.map_or("-".into(), |b| format!("{:.0}", b as f64 / 1048576.0));
     let ratio = |r: Option<f64>| r.map_or("-".into(), |r| format!("{r:.2}"));
     println!(
-        "\n{:<10} {:<12} {:>10} {:>11} {:>11} {:>9} {:>9} {:>7}{}",
+        "\n{:<10} {:<12} {:>10} {:>11} {:>11} {:>7} {:>6} {:>9} {:>9} {:>7}{}",
         "device",
         "attention",
         "params",
         "fwd tok/s",
         "step tok/s",
+        "spread",
+        "others",
         "step/base",
         "peak MiB",
         if args.gpu.is_some() { "MFU" } else { "GFLOP/s" },
@@ -548,13 +602,23 @@ fn print_table(args: &BenchArgs, shape: &Shape, torch: &[(String, TorchRun)], ro
             ),
             _ => String::new(),
         };
+        let spread = row
+            .ours
+            .step_spread
+            .map_or("-".into(), |s| format!("{:.0}%", 100.0 * s.width()));
+        let others = row
+            .ours
+            .competing_cores
+            .map_or("-".into(), |c| format!("{c:.2}"));
         println!(
-            "{:<10} {:<12} {:>10} {:>11.0} {:>11.0} {:>9} {:>9} {:>7}{torch}",
+            "{:<10} {:<12} {:>10} {:>11.0} {:>11.0} {:>7} {:>6} {:>9} {:>9} {:>7}{torch}",
             row.device,
             row.ours.attention,
             row.ours.params,
             row.ours.forward_tokens_per_sec,
             row.ours.step_tokens_per_sec,
+            spread,
+            others,
             ratio(row.step_time_vs_transformer),
             mib(row.ours.peak_bytes),
             flops,
@@ -633,7 +697,7 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
     // Resetting the peak resident set makes it the current one; no figure if that is refused.
     let rss_reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
     let mut pool_peak = None;
-    let step_s = timed(args.warmup, args.reps, || {
+    let step = timed(tokens, args.warmup, args.reps, || {
         let model = trained.take().expect("the model between steps");
         let mut accumulator = GradientsAccumulator::new();
         let loss = step::backward(&model, &batch, args.recompute(), None, |grads| {
@@ -664,15 +728,18 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
     drop(trained);
 
     let inputs = LmBatcher.batch(windows, &device).inputs;
-    let forward_s = timed(args.warmup, args.reps, || {
+    let forward = timed(tokens, args.warmup, args.reps, || {
         inference.forward(inputs.clone()).sum().into_scalar::<f32>();
         Ok(())
     })?;
     let measurement = Measurement {
         attention: attention.as_str().into(),
         params,
-        forward_tokens_per_sec: tokens as f64 / forward_s,
-        step_tokens_per_sec: tokens as f64 / step_s,
+        forward_tokens_per_sec: forward.median,
+        step_tokens_per_sec: step.median,
+        forward_spread: Some(forward),
+        step_spread: Some(step),
+        competing_cores: None,
         peak_bytes,
     };
     println!("{}", serde_json::to_string(&measurement)?);
@@ -800,7 +867,10 @@ mod tests {
             params: 10,
             forward_tokens_per_sec: fwd,
             step_tokens_per_sec: step,
+            forward_spread: None,
+            step_spread: None,
             peak_bytes: peak,
+            competing_cores: None,
         }
     }
 
@@ -822,6 +892,7 @@ mod tests {
                     m("transformer", 200.0, 100.0, Some(400)),
                     m("diff", 180.0, 20.0, None),
                 ],
+                competing_cores: None,
             },
         )];
         let rows = rows(

@@ -2577,6 +2577,16 @@ fn bench_measures_every_variant_and_compares_with_a_torch_harness() {
         assert!((num(row, "train_flops_per_sec") - flops).abs() <= 1e-9 * flops);
         let ratio = num(row, "step_time_vs_transformer");
         assert!((ratio - baseline_step / step).abs() <= 1e-12 * ratio);
+        // The median of the repetitions' spread is the figure.
+        for (figure, spread) in [
+            ("step_tokens_per_sec", "step_spread"),
+            ("forward_tokens_per_sec", "forward_spread"),
+        ] {
+            let s = &row[spread];
+            assert!(num(s, "min") <= num(s, "median") && num(s, "median") <= num(s, "max"));
+            assert_eq!(num(s, "median"), num(row, figure));
+        }
+        assert!(row["competing_cores"].as_f64().is_some(), "{row}");
         // A peak needs the resident-set counter reset, which some containers refuse.
         if std::fs::write("/proc/self/clear_refs", "5").is_ok() {
             assert!(row["peak_bytes"].as_u64().unwrap() > 0);
@@ -2673,6 +2683,60 @@ fn bench_measures_every_variant_and_compares_with_a_torch_harness() {
     assert!(err.contains("--size `huge`"), "{err}");
     let err = fails(&["bench", "--dtype", "f8"]);
     assert!(err.contains("dtype `f8`"), "{err}");
+}
+
+/// A process competing for the cores while `bench` measures is seen and said, in the table and
+/// in `--json`, instead of a figure that looks precise; the report names the CPU's extensions.
+#[test]
+fn bench_flags_a_process_competing_for_the_cores() {
+    let shape = [
+        "--size",
+        "64x2x4",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--vocab",
+        "128",
+        "--reps",
+        "3",
+        "--warmup",
+        "1",
+        "--attention",
+        "transformer",
+    ];
+    let mut spinner = std::process::Command::new("sh")
+        .args(["-c", "while :; do :; done"])
+        .spawn()
+        .unwrap();
+    let report = json(&[&["bench", "--device", "flex", "--json"], &shape[..]].concat());
+    let table = ok(&[&["bench", "--device", "flex"], &shape[..]].concat());
+    spinner.kill().unwrap();
+    spinner.wait().unwrap();
+    let row = &report["rows"][0];
+    let competing = row["competing_cores"].as_f64().unwrap();
+    assert!(
+        competing > 0.25,
+        "a spinning process took {competing} cores"
+    );
+    let warnings: Vec<&str> = report["warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w.as_str().unwrap())
+        .collect();
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.starts_with("flex transformer step: other processes took")),
+        "{warnings:?}"
+    );
+    assert!(
+        table.contains("warning: flex transformer step: other processes took"),
+        "{table}"
+    );
+    assert!(report["cpu_info"]["extensions"].is_array(), "{report}");
+    assert!(report["load_before"].as_f64().is_some(), "{report}");
 }
 
 /// Slurm scripts without a Slurm: `sweep --slurm` lists only unfinished runs with the options
