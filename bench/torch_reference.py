@@ -108,7 +108,8 @@ def vectorised(model):
 
 def build(args, attention):
     return reference.Model(attention, args.d_model, args.layers, args.heads, args.kv_heads or args.heads,
-                           args.vocab, 10000.0)
+                           args.vocab, 10000.0, ffn=args.ffn_dim, head_dim=args.head_dim,
+                           qkv_bias=args.qkv_bias, tie=args.tie_embeddings)
 
 
 def check(attention, heads, kv_heads):
@@ -184,7 +185,7 @@ def measure(args, attention, device, dtype):
     memory = PeakMemory(device)
     torch.manual_seed(args.seed)
     model = vectorised(build(args, attention)).to(device=device, dtype=dtype)
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())  # a tied head's weight counted once
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     n = args.batch * args.seq
@@ -232,6 +233,10 @@ def main():
     p.add_argument("--layers", type=int, required=True)
     p.add_argument("--heads", type=int, required=True)
     p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--ffn-dim", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--qkv-bias", action="store_true")
+    p.add_argument("--tie-embeddings", action="store_true")
     p.add_argument("--vocab", type=int, required=True)
     p.add_argument("--seq", type=int, required=True)
     p.add_argument("--batch", type=int, required=True)
@@ -258,7 +263,8 @@ def main():
     else:  # one process per variant, so that each peak is its own
         results = []
         for attention in variants:
-            argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if v is not None]
+            argv = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
+                    for k, v in vars(args).items() if v is not None and v is not False]
             argv.append(f"--attention={attention}")
             out = subprocess.run([sys.executable, __file__, *argv], check=True, stdout=subprocess.PIPE, text=True)
             results += json.loads(out.stdout)["results"]

@@ -51,9 +51,10 @@ pub struct BenchArgs {
         default_value = "transformer,diff,diff-v2"
     )]
     pub attention: Vec<AttentionKind>,
-    /// The model: `D_MODELxLAYERSxHEADS` (the baseline's heads, e.g. 256x4x4) or a recipe name,
-    /// whose model's sizes are used (vocabulary, kv heads, FFN size and tied embeddings included;
-    /// the attention variant comes from --attention).
+    /// The model: `D_MODELxLAYERSxHEADS` (the baseline's heads, e.g. 256x4x4), a recipe name or
+    /// a run directory (an imported Hugging Face model's, say), whose model's sizes are used
+    /// (vocabulary, kv heads, FFN size, head_dim, q/k/v biases and tied embeddings included; the
+    /// attention variant comes from --attention).
     #[arg(long, default_value = "256x4x4")]
     pub size: String,
     /// Sequence length.
@@ -145,10 +146,14 @@ pub struct Shape {
     /// SwiGLU hidden size (`None`: the default, 8·d_model/3).
     pub ffn_dim: Option<usize>,
     pub tie_embeddings: bool,
+    /// Width of a head (`None`: d_model / heads).
+    pub head_dim: Option<usize>,
+    pub qkv_bias: bool,
 }
 
 impl Shape {
-    /// `D_MODELxLAYERSxHEADS` with `vocab` and `kv_heads`, or the model of the recipe named.
+    /// `D_MODELxLAYERSxHEADS` with `vocab` and `kv_heads`, or the model of the recipe or run
+    /// directory named.
     pub fn parse(spec: &str, vocab: usize, kv_heads: Option<usize>) -> Result<Self> {
         let numbers: Vec<Option<usize>> = spec.split('x').map(|n| n.parse().ok()).collect();
         if let [Some(d_model), Some(layers), Some(heads)] = numbers[..] {
@@ -160,14 +165,24 @@ impl Shape {
                 vocab,
                 ffn_dim: None,
                 tie_embeddings: false,
+                head_dim: None,
+                qkv_bias: false,
             });
         }
-        let model = recipe::resolve(spec, &[])
-            .with_context(|| {
-                format!("--size `{spec}`: expected D_MODELxLAYERSxHEADS (e.g. 256x4x4) or a recipe")
-            })?
-            .recipe
-            .model;
+        let model = if Path::new(spec).join(crate::run::RECIPE).is_file() {
+            crate::run::run_recipe(Path::new(spec))
+                .with_context(|| format!("--size `{spec}`"))?
+                .model
+        } else {
+            recipe::resolve(spec, &[])
+                .with_context(|| {
+                    format!(
+                        "--size `{spec}`: expected D_MODELxLAYERSxHEADS (e.g. 256x4x4), a recipe or a run directory"
+                    )
+                })?
+                .recipe
+                .model
+        };
         Ok(Self {
             d_model: model.d_model,
             layers: model.layers,
@@ -176,6 +191,8 @@ impl Shape {
             vocab: model.vocab_size,
             ffn_dim: model.ffn_dim,
             tie_embeddings: model.tie_embeddings,
+            head_dim: model.head_dim,
+            qkv_bias: model.qkv_bias,
         })
     }
 
@@ -197,6 +214,8 @@ impl Shape {
         .with_kv_heads(self.kv_heads)
         .with_ffn_dim(self.ffn_dim)
         .with_tie_embeddings(self.tie_embeddings)
+        .with_head_dim(self.head_dim)
+        .with_qkv_bias(self.qkv_bias)
         .with_attention_impl(implementation);
         config
             .validate()
@@ -396,19 +415,6 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let load_before = trust::load_average();
     let mut torch = Vec::new();
     if args.torch {
-        let default_ffn = ModelConfig::default_ffn_hidden(shape.d_model);
-        if shape.tie_embeddings || shape.ffn_dim.is_some_and(|f| f != default_ffn) {
-            bail!(
-                "--torch: the PyTorch reference has an untied LM head and the default FFN size \
-                 ({default_ffn}); --size `{}` has {}",
-                args.size,
-                if shape.tie_embeddings {
-                    "tied embeddings".to_string()
-                } else {
-                    format!("an FFN of {}", shape.ffn_dim.unwrap_or(default_ffn))
-                }
-            );
-        }
         let mut devices: Vec<String> = args
             .devices
             .iter()
@@ -785,6 +791,18 @@ fn run_torch(args: &BenchArgs, shape: &Shape, device: &str) -> Result<TorchRun> 
     if let Some(kv) = shape.kv_heads {
         command.args(["--kv-heads", &kv.to_string()]);
     }
+    if let Some(ffn) = shape.ffn_dim {
+        command.args(["--ffn-dim", &ffn.to_string()]);
+    }
+    if let Some(d) = shape.head_dim {
+        command.args(["--head-dim", &d.to_string()]);
+    }
+    if shape.tie_embeddings {
+        command.arg("--tie-embeddings");
+    }
+    if shape.qkv_bias {
+        command.arg("--qkv-bias");
+    }
     command.args([
         "--dtype",
         &args.dtype,
@@ -832,6 +850,8 @@ mod tests {
                 vocab: 1000,
                 ffn_dim: None,
                 tie_embeddings: false,
+                head_dim: None,
+                qkv_bias: false,
             }
         );
         let tiny = Shape::parse("tiny", 1000, None).unwrap();

@@ -2604,7 +2604,8 @@ fn bench_measures_every_variant_and_compares_with_a_torch_harness() {
         std::fs::write(
             &script,
             format!(
-                "#!/bin/sh\necho '{{\"torch\":\"2.9.0\",\"threads\":2,\"device\":\"cpu\",\"attention_impl\":\"sdpa\",\"results\":[{result}]}}'\n"
+                "#!/bin/sh\necho \"$@\" > {}.args\necho '{{\"torch\":\"2.9.0\",\"threads\":2,\"device\":\"cpu\",\"attention_impl\":\"sdpa\",\"results\":[{result}]}}'\n",
+                script.display()
             ),
         )
         .unwrap();
@@ -2657,6 +2658,74 @@ fn bench_measures_every_variant_and_compares_with_a_torch_harness() {
         .concat(),
     );
     assert!(err.contains("not the same model"), "{err}");
+
+    // A run directory's model as it is (an imported one's, say): tied, GQA, its own FFN and
+    // head widths and q/k/v biases, and PyTorch asked for the same model.
+    let run = dir.path().join("shaped");
+    ok(&[
+        "train",
+        "--recipe",
+        "micro",
+        "--out",
+        path(&run),
+        "--set",
+        "training.steps=4",
+        "--set",
+        "model.tie_embeddings=true",
+        "--set",
+        "model.kv_heads=2",
+        "--set",
+        "model.ffn_dim=72",
+        "--set",
+        "model.head_dim=12",
+        "--set",
+        "model.qkv_bias=true",
+    ]);
+    let sized = [
+        "--size",
+        path(&run),
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--reps",
+        "2",
+    ];
+    let quiet = json(&[&["bench", "--attention", "diff", "--json"], &sized[..]].concat());
+    let params = quiet["rows"][0]["params"].as_u64().unwrap();
+    let shaped = ModelConfig::new(AttentionKind::Diff, 32, 2, 4, 512, 16)
+        .with_kv_heads(Some(2))
+        .with_ffn_dim(Some(72))
+        .with_head_dim(Some(12))
+        .with_qkv_bias(true)
+        .with_tie_embeddings(true);
+    assert_eq!(params, shaped.param_count().total);
+    let same = fake(params);
+    json(
+        &[
+            &[
+                "bench",
+                "--attention",
+                "diff",
+                "--torch",
+                "--json",
+                "--python",
+                path(&same),
+            ],
+            &sized[..],
+        ]
+        .concat(),
+    );
+    let asked = std::fs::read_to_string(format!("{}.args", same.display())).unwrap();
+    for flag in [
+        "--kv-heads 2",
+        "--ffn-dim 72",
+        "--head-dim 12",
+        "--tie-embeddings",
+        "--qkv-bias",
+    ] {
+        assert!(asked.contains(flag), "{flag}: {asked}");
+    }
 
     // The flash path with blocks recomputed measures the same models; the report names the CPU,
     // the implementation and the recomputation.

@@ -62,13 +62,13 @@ def causal_softmax(q, k):
 
 
 class TransformerAttention(nn.Module):
-    def __init__(self, d_model, h, h_kv, theta):
+    def __init__(self, d_model, h, h_kv, theta, head_dim=None, qkv_bias=False):
         super().__init__()
-        d = d_model // h
+        d = head_dim or d_model // h
         self.h, self.h_kv, self.theta = h, h_kv, theta
-        self.q_proj = nn.Linear(d_model, h * d, bias=False)
-        self.k_proj = nn.Linear(d_model, h_kv * d, bias=False)
-        self.v_proj = nn.Linear(d_model, h_kv * d, bias=False)
+        self.q_proj = nn.Linear(d_model, h * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(d_model, h_kv * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(d_model, h_kv * d, bias=qkv_bias)
         self.o_proj = nn.Linear(h * d, d_model, bias=False)
 
     def forward(self, x):
@@ -85,14 +85,14 @@ class TransformerAttention(nn.Module):
 class DiffAttention(nn.Module):
     """DIFF V1: H' = H/2 heads, each with two query half-heads (2h, 2h+1), values of width 2d."""
 
-    def __init__(self, d_model, h, h_kv, theta, depth):
+    def __init__(self, d_model, h, h_kv, theta, depth, head_dim=None, qkv_bias=False):
         super().__init__()
-        d = d_model // h
+        d = head_dim or d_model // h
         self.h, self.h_kv, self.d, self.theta = h // 2, h_kv // 2, d, theta
         self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * depth)
-        self.q_proj = nn.Linear(d_model, 2 * self.h * d, bias=False)
-        self.k_proj = nn.Linear(d_model, 2 * self.h_kv * d, bias=False)
-        self.v_proj = nn.Linear(d_model, self.h_kv * 2 * d, bias=False)
+        self.q_proj = nn.Linear(d_model, 2 * self.h * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(d_model, 2 * self.h_kv * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(d_model, self.h_kv * 2 * d, bias=qkv_bias)
         self.o_proj = nn.Linear(self.h * 2 * d, d_model, bias=False)
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
             setattr(self, name, nn.Parameter(torch.zeros(d).normal_(0, 0.1)))
@@ -120,13 +120,13 @@ class DiffAttention(nn.Module):
 class DiffV2Attention(nn.Module):
     """DIFF V2: 2H query heads, one attention, out_h = o_2h - sigmoid(x W_λ)_h o_2h+1."""
 
-    def __init__(self, d_model, h, h_kv, theta):
+    def __init__(self, d_model, h, h_kv, theta, head_dim=None, qkv_bias=False):
         super().__init__()
-        d = d_model // h
+        d = head_dim or d_model // h
         self.h, self.h_kv, self.theta = h, h_kv, theta
-        self.q_proj = nn.Linear(d_model, 2 * h * d, bias=False)
-        self.k_proj = nn.Linear(d_model, h_kv * d, bias=False)
-        self.v_proj = nn.Linear(d_model, h_kv * d, bias=False)
+        self.q_proj = nn.Linear(d_model, 2 * h * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(d_model, h_kv * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(d_model, h_kv * d, bias=qkv_bias)
         self.o_proj = nn.Linear(h * d, d_model, bias=False)
         self.lambda_proj = nn.Linear(d_model, h, bias=False)
 
@@ -153,17 +153,18 @@ class SwiGlu(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, attention, d_model, h, h_kv, theta, depth):
+    def __init__(self, attention, d_model, h, h_kv, theta, depth, ffn=None, head_dim=None, qkv_bias=False):
         super().__init__()
         self.attn_norm = RMSNorm(d_model)
+        shape = {"head_dim": head_dim, "qkv_bias": qkv_bias}
         if attention == "transformer":
-            self.attn = TransformerAttention(d_model, h, h_kv, theta)
+            self.attn = TransformerAttention(d_model, h, h_kv, theta, **shape)
         elif attention == "diff":
-            self.attn = DiffAttention(d_model, h, h_kv, theta, depth)
+            self.attn = DiffAttention(d_model, h, h_kv, theta, depth, **shape)
         else:
-            self.attn = DiffV2Attention(d_model, h, h_kv, theta)
+            self.attn = DiffV2Attention(d_model, h, h_kv, theta, **shape)
         self.ffn_norm = RMSNorm(d_model)
-        self.ffn = SwiGlu(d_model, 8 * d_model // 3)
+        self.ffn = SwiGlu(d_model, ffn or 8 * d_model // 3)
 
     def forward(self, x, record=None):
         a_in = self.attn_norm(x)
@@ -175,12 +176,19 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, attention, d_model, layers, h, h_kv, vocab, theta):
+    """The decoder; `ffn`, `head_dim`, `qkv_bias` and `tie` (the head is the embedding) as the
+    model configuration's keys of those names (defaults: 8·d_model/3, d_model / h, none, untied)."""
+
+    def __init__(self, attention, d_model, layers, h, h_kv, vocab, theta, ffn=None, head_dim=None,
+                 qkv_bias=False, tie=False):
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
-        self.blocks = nn.ModuleList(Block(attention, d_model, h, h_kv, theta, i) for i in range(layers))
+        self.blocks = nn.ModuleList(Block(attention, d_model, h, h_kv, theta, i, ffn, head_dim, qkv_bias)
+                                    for i in range(layers))
         self.norm = RMSNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab, bias=False)
+        if tie:
+            self.lm_head.weight = self.embed.weight
 
     def forward(self, tokens, record=None):
         x = self.embed(tokens)
