@@ -225,6 +225,16 @@ def measure(args, attention, device, dtype):
     }
 
 
+def roofline(reps):
+    """FLOP/s of a 2048 × 2048 product in f32 and bf16 (median of `reps`, after one untimed)."""
+    n, peaks = 2048, {}
+    for name, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        times = timed(lambda: (a @ b).sum().item(), 1, reps, lambda: None)
+        peaks[f"matmul_{name}"] = 2 * n ** 3 / statistics.median(times)
+    return peaks
+
+
 def main():
     global IMPL
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -247,6 +257,17 @@ def main():
     p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
     p.add_argument("--attention-impl", default="sdpa", choices=["sdpa", "explicit"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--roofline", action="store_true", help="print the matmul peaks and exit")
+    if "--roofline" in sys.argv:
+        q = argparse.ArgumentParser()
+        q.add_argument("--roofline", action="store_true")
+        q.add_argument("--reps", type=int, default=5)
+        q.add_argument("--threads", type=int, default=None)
+        known, _ = q.parse_known_args()
+        if known.threads:
+            torch.set_num_threads(known.threads)
+        print(json.dumps(roofline(known.reps)))
+        return
     args = p.parse_args()
     IMPL = args.attention_impl
     if args.threads:

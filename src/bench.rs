@@ -20,6 +20,7 @@
 //! while it was measured; the report names the CPU and warns where a figure should not be
 //! believed ([`trust`]).
 
+mod roofline;
 mod trust;
 
 use crate::device;
@@ -33,6 +34,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams};
 use clap::Args;
 use diffzoo_datasets::{LmBatcher, Rng};
 use diffzoo_models::{AttentionImpl, AttentionKind, DEFAULT_ATTENTION_BLOCK, ModelConfig};
+use roofline::Roofline;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -95,6 +97,10 @@ pub struct BenchArgs {
     /// Also measure PyTorch eager (bench/torch_reference.py) and print diffzoo / PyTorch ratios.
     #[arg(long)]
     pub torch: bool,
+    /// Also measure the machine's limits on the first device — matmul peak in f32 and bf16
+    /// (PyTorch's too with --torch) and read bandwidth — and give each step's share of the peak.
+    #[arg(long)]
+    pub roofline: bool,
     /// PyTorch's attention: `sdpa` (scaled_dot_product_attention, what users run) or
     /// `explicit` (matmul + softmax maps, the algorithm Burn's autodiff runs).
     #[arg(long, default_value = "sdpa", value_parser = ["sdpa", "explicit"])]
@@ -276,6 +282,9 @@ pub struct Row {
     pub train_flops_per_sec: f64,
     /// `train_flops_per_sec` over the `--gpu`'s dense bf16 peak.
     pub mfu: Option<f64>,
+    /// `train_flops_per_sec` over the matmul peak measured on this device (`--roofline`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub share_of_matmul_peak: Option<f64>,
     /// This variant's step time over the baseline Transformer's on the same device.
     pub step_time_vs_transformer: Option<f64>,
     pub torch: Option<Measurement>,
@@ -361,6 +370,7 @@ pub fn rows(
                 ours: ours.clone(),
                 train_flops_per_sec,
                 mfu: peak_flops.map(|peak| train_flops_per_sec / peak),
+                share_of_matmul_peak: None,
                 step_time_vs_transformer: baseline
                     .map(|(_, b)| b.step_tokens_per_sec / ours.step_tokens_per_sec),
                 torch: theirs,
@@ -413,6 +423,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     // PyTorch first: a missing or broken Python fails before minutes of measuring.
     let load_before = trust::load_average();
+    let roofline = match args.roofline {
+        true => Some(measure_roofline(args)?),
+        false => None,
+    };
     let mut torch = Vec::new();
     if args.torch {
         let mut devices: Vec<String> = args
@@ -460,13 +474,19 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             .expect("validated");
         config.flops_per_token(args.seq).training
     };
-    let rows = rows(&measured, &torch, flops, peak_flops);
+    let mut rows = rows(&measured, &torch, flops, peak_flops);
+    if let Some(roofline) = &roofline {
+        for row in rows.iter_mut().filter(|r| r.device == args.devices[0]) {
+            row.share_of_matmul_peak = Some(row.train_flops_per_sec / roofline.peak(&args.dtype));
+        }
+    }
     let warnings = report_warnings(load_before, &rows, &torch);
     let report = serde_json::json!({
             "shape": shape,
             "cpu": cpu(),
             "cpu_info": Cpu::here(),
             "load_before": load_before,
+            "roofline": roofline,
             "warnings": warnings,
             "attention_impl": args.attention_impl,
             "attention_block": args.attention_block,
@@ -495,11 +515,90 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         println!("{report}");
     } else {
         print_table(args, &shape, &torch, &rows);
+        if let Some(roofline) = &roofline {
+            print_roofline(args, roofline, &rows);
+        }
         for warning in &warnings {
             println!("warning: {warning}");
         }
     }
     Ok(())
+}
+
+/// The machine's limits on the first device ([`roofline`]), PyTorch's products with `--torch`.
+fn measure_roofline(args: &BenchArgs) -> Result<Roofline> {
+    let spec = &args.devices[0];
+    eprintln!("bench: the roofline on {spec}");
+    let device = device::parse_as(spec, |d| {
+        train::configure_dtype(d, &args.dtype, spec, "--dtype")
+    })?;
+    let mut roofline = Roofline::measure(&device, args.reps)?;
+    if args.torch {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/torch_reference.py");
+        let python = python(args);
+        let out = Command::new(&python)
+            .arg(&script)
+            .args(["--roofline", "--reps", &args.reps.to_string()])
+            .args(["--threads", &threads().to_string()])
+            .output()
+            .with_context(|| format!("running {} with {}", script.display(), python.display()))?;
+        if !out.status.success() {
+            bail!(
+                "{} --roofline failed ({}):\n{}",
+                script.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let peaks: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .with_context(|| format!("reading the output of {} --roofline", script.display()))?;
+        roofline.torch_matmul_f32 = peaks["matmul_f32"].as_f64();
+        roofline.torch_matmul_bf16 = peaks["matmul_bf16"].as_f64();
+    }
+    Ok(roofline)
+}
+
+/// The roofline under the table: the limits, and each step's share of the matmul peak.
+fn print_roofline(args: &BenchArgs, roofline: &Roofline, rows: &[Row]) {
+    let gflops = |f: Option<f64>| f.map_or("-".into(), |f| format!("{:.0}", f / 1e9));
+    println!(
+        "\nroofline on {}: matmul {MATMUL_N}² f32 {} GFLOP/s, bf16 {} (PyTorch: f32 {}, bf16 {}); read bandwidth {:.1} GB/s",
+        args.devices[0],
+        gflops(Some(roofline.matmul_f32)),
+        gflops(roofline.matmul_bf16),
+        gflops(roofline.torch_matmul_f32),
+        gflops(roofline.torch_matmul_bf16),
+        roofline.read_bytes_per_sec / 1e9,
+        MATMUL_N = roofline::MATMUL_N,
+    );
+    for row in rows {
+        if let Some(share) = row.share_of_matmul_peak {
+            println!(
+                "  {} {} step: {:.1} GFLOP/s, {:.0}% of the {} matmul peak{}",
+                row.device,
+                row.ours.attention,
+                row.train_flops_per_sec / 1e9,
+                100.0 * share,
+                args.dtype,
+                row.torch
+                    .as_ref()
+                    .zip(roofline.torch_matmul_f32)
+                    .map(|(t, peak)| {
+                        let theirs = row.train_flops_per_sec / row.ours.step_tokens_per_sec
+                            * t.step_tokens_per_sec;
+                        let peak = match args.dtype.as_str() {
+                            "bf16" => roofline.torch_matmul_bf16.unwrap_or(peak),
+                            _ => peak,
+                        };
+                        format!(
+                            " (PyTorch's step: {:.0}% of its own)",
+                            100.0 * theirs / peak
+                        )
+                    })
+                    .unwrap_or_default()
+            );
+        }
+    }
 }
 
 /// The report's warnings ([`trust::warnings`]): the load before the run, and each measured

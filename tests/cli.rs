@@ -2808,6 +2808,47 @@ fn bench_flags_a_process_competing_for_the_cores() {
     assert!(report["load_before"].as_f64().is_some(), "{report}");
 }
 
+/// `--roofline` measures the matmul peak and read bandwidth where it benchmarks, and gives each
+/// step its share of that peak.
+#[test]
+fn bench_roofline_gives_each_step_its_share_of_the_peak() {
+    let report = json(&[
+        "bench",
+        "--device",
+        "flex",
+        "--attention",
+        "transformer",
+        "--size",
+        "64x2x4",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--vocab",
+        "128",
+        "--reps",
+        "2",
+        "--warmup",
+        "1",
+        "--roofline",
+        "--json",
+    ]);
+    let roofline = &report["roofline"];
+    let peak = roofline["matmul_f32"].as_f64().unwrap();
+    assert!(
+        peak > 0.0 && roofline["read_bytes_per_sec"].as_f64().unwrap() > 0.0,
+        "{roofline}"
+    );
+    assert!(
+        roofline["matmul_bf16"].as_f64().is_some(),
+        "Flex has bf16: {roofline}"
+    );
+    let row = &report["rows"][0];
+    let share = row["share_of_matmul_peak"].as_f64().unwrap();
+    let flops = row["train_flops_per_sec"].as_f64().unwrap();
+    assert!((share - flops / peak).abs() <= 1e-12 * share, "{row}");
+}
+
 /// Slurm scripts without a Slurm: `sweep --slurm` lists only unfinished runs with the options
 /// asked for, GPU plans refuse a recipe that cannot fit and time the rest, `data prepare
 /// --slurm` chains tokenizer, parts and merge; every bad request is named (the runs against a
