@@ -12,6 +12,7 @@ macro_rules! say {
 mod allocator;
 mod bench;
 mod chat;
+mod convert;
 mod data;
 mod device;
 mod eval;
@@ -79,6 +80,8 @@ enum Command {
         #[command(subcommand)]
         command: DataCommand,
     },
+    /// Turn a run's baseline Transformer into a DIFF model (V1 or V2): a run to fine-tune.
+    Convert(convert::ConvertArgs),
     /// Bring a checkpoint from another framework into a run directory.
     Import {
         #[command(subcommand)]
@@ -272,6 +275,7 @@ fn dispatch(cli: Cli) -> Result<Outcome> {
             DataCommand::Merge(args) => data::merge(&args),
             DataCommand::Verify(args) => data::verify(&args),
         },
+        Command::Convert(args) => convert::run(&args),
         Command::Import { command } => match command {
             ImportCommand::Hf(args) => hf::import::run(&args),
         },

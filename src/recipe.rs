@@ -317,6 +317,20 @@ pub struct TrainingSection {
     /// pass (one more forward pass per step; activations of one block at a time).
     #[serde(default)]
     pub recompute: Recompute,
+    /// A warm-up of DIFF's negative map over this many steps: λ (V1) or the subtracted output
+    /// (V2) is scaled by min(1, step/N), so that a model converted from a pretrained Transformer
+    /// (`diffzoo convert`) starts from the source's maps; unset: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lambda_warmup: Option<usize>,
+}
+
+impl TrainingSection {
+    /// The scale of λ after `step` optimizer steps: min(1, step/N) during a warm-up over N
+    /// steps, else 1.
+    pub fn lambda_scale(&self, step: usize) -> f64 {
+        self.lambda_warmup
+            .map_or(1.0, |n| (step as f64 / n as f64).min(1.0))
+    }
 }
 
 /// `training.precision`: the dtypes a step computes in and keeps between steps.
@@ -582,6 +596,11 @@ impl Recipe {
                 1 << 24,
             ),
             ("training.steps", t.steps.unwrap_or(0) as u64, 1 << 40),
+            (
+                "training.lambda_warmup",
+                t.lambda_warmup.unwrap_or(0) as u64,
+                1 << 40,
+            ),
             ("training.tokens", t.tokens.unwrap_or(0), 1 << 56),
             ("training.batch_tokens", t.batch_tokens as u64, 1 << 40),
             ("training.micro_batch", t.micro_batch as u64, 1 << 24),
@@ -684,6 +703,13 @@ impl Recipe {
         }
         if let Some(seed) = repeated_seed(&t.seeds) {
             return Err(format!("`training.seeds`: {seed} is given twice"));
+        }
+        match (t.lambda_warmup, self.model.attention) {
+            (Some(0), _) => return Err("`training.lambda_warmup` must be positive".into()),
+            (Some(_), AttentionKind::Transformer) => {
+                return Err("`training.lambda_warmup` warms up DIFF's negative map: `model.attention = \"transformer\"` has none".into());
+            }
+            _ => {}
         }
         let o = &self.optimizer;
         if !(o.lr > 0.0 && o.lr.is_finite()) {

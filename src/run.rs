@@ -358,9 +358,40 @@ impl Weights {
     }
 }
 
-/// The run's final model, or its newest verified checkpoint when training has not finished.
+/// The run's final model, or its newest verified checkpoint when training has not finished, as
+/// it computes at its step (λ scaled during a warm-up: [`lambda_scale`]).
 pub fn load_model(run: &Path, recipe: &Recipe, device: &Device) -> Result<(Model, Weights)> {
-    load_weights(run, &recipe.model_config(), device)
+    let (model, weights) = load_weights(run, &recipe.model_config(), device)?;
+    let scale = lambda_scale(run, recipe, &weights)?;
+    Ok((model.with_lambda_scale(scale), weights))
+}
+
+/// The scale of λ the run's `weights` compute with: 1 without a warm-up
+/// (`training.lambda_warmup`); during one that of their step ([`weights_step`]).
+pub fn lambda_scale(run: &Path, recipe: &Recipe, weights: &Weights) -> Result<f64> {
+    if recipe.training.lambda_warmup.is_none() {
+        return Ok(1.0);
+    }
+    Ok(recipe
+        .training
+        .lambda_scale(weights_step(run, recipe, weights)?))
+}
+
+/// The training step the run's `weights` are at: a checkpoint's, a finished run's last, or 0 for
+/// a final model that no `train` wrote (an import's, a conversion's); a weights file does not
+/// say.
+pub fn weights_step(run: &Path, recipe: &Recipe, weights: &Weights) -> Result<usize> {
+    Ok(match weights {
+        Weights::Checkpoint(c, _) => c.step,
+        Weights::Final(_) => match RunEnd::read(run) {
+            Some(end) if end.state == "finished" => recipe.total_steps(),
+            _ => 0,
+        },
+        Weights::File(path) => bail!(
+            "{}: a weights file does not say its training step, which the run's λ warm-up (`training.lambda_warmup`) needs: give the run directory",
+            path.display()
+        ),
+    })
 }
 
 /// Weights for a model of `config` from a run directory (its final model, else its newest

@@ -330,6 +330,40 @@ fn a_mixed_precision_run_resumes_exactly_and_a_pure_one_is_not_resumed_as_mixed(
     );
 }
 
+/// A warm-up of the negative map (`training.lambda_warmup`) is a function of the step: a run
+/// killed in the middle of it resumes at the scale it had reached and ends exactly like the
+/// uninterrupted run, each step logging the scale it computed with.
+#[test]
+fn a_run_killed_in_its_lambda_warm_up_resumes_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let warmup = ["training.lambda_warmup=15"];
+    let reference = tmp.path().join("reference");
+    train(&reference, &warmup, false);
+    let plain = tmp.path().join("plain");
+    train(&plain, &[], false);
+    assert_ne!(losses(&reference), losses(&plain), "the warm-up scales λ");
+    let scales: Vec<f64> = std::fs::read_to_string(reference.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|r| r["split"] == "train")
+        .map(|r| r["lambda_scale"].as_f64().unwrap())
+        .collect();
+    assert_eq!(scales.len(), 20);
+    for (step, scale) in scales.iter().enumerate() {
+        let want = (step as f64 / 15.0).min(1.0);
+        assert!((scale - want).abs() < 1e-12, "step {step}: {scale}");
+    }
+    let run = tmp.path().join("run");
+    killed_copy(&reference, &run, 1, 10);
+    let log = train(&run, &warmup, true);
+    assert!(
+        log.contains("resuming from checkpoint 1 (step 10)"),
+        "{log}"
+    );
+    assert_same_run(&run, &reference);
+}
+
 #[test]
 fn a_second_signal_exits_at_once_and_a_repeated_one_does_not() {
     let tmp = tempfile::tempdir().unwrap();

@@ -863,6 +863,40 @@ fn exports_load_in_transformers_and_score_alike() {
         &matrix(&result["nll"]),
         NLL_TOLERANCE,
     );
+    // Converted models: a Qwen2 turned into DIFF V2 by copying its query heads scores in
+    // transformers as transformers scored the Qwen2; one turned into DIFF V1 and fine-tuned
+    // through its λ warm-up loads as a DiffLlama scoring as it does here.
+    let qwen = tmp.path().join("qwen2_bias");
+    let converted = tmp.path().join("qwen2-v2");
+    convert(&qwen, "diff-v2", &converted, &[]);
+    let export = tmp.path().join("qwen2-v2-hf");
+    ok(&["export", "hf", path(&converted), "--out", path(&export)]);
+    let result = check(&export, &fixture("qwen2_bias.tokens.json"));
+    assert_eq!(result["class"], "DiffzooV2ForCausalLM");
+    let want = matrix(&json(&fixture("qwen2_bias.nll.json"))["nll"]);
+    assert_nll_close(
+        "Qwen2 as DIFF V2",
+        &matrix(&result["nll"]),
+        &want,
+        NLL_TOLERANCE,
+    );
+    let llama = tmp.path().join("llama3_tied");
+    let v1 = tmp.path().join("llama3-v1");
+    convert(&llama, "diff", &v1, &["--warmup", "4"]);
+    let tuned = tmp.path().join("llama3-v1-tuned");
+    let recipe = v1.join("recipe.toml");
+    train(path(&recipe), &[], &tuned);
+    let export = tmp.path().join("llama3-v1-hf");
+    ok(&["export", "hf", path(&tuned), "--out", path(&export)]);
+    let tokens = fixture("llama3_tied.tokens.json");
+    let result = check(&export, &tokens);
+    assert_eq!(result["class"], "DiffLlamaForCausalLM");
+    assert_nll_close(
+        "Llama 3 as DIFF V1, fine-tuned",
+        &nll(&tuned, &tokens, "flex"),
+        &matrix(&result["nll"]),
+        NLL_TOLERANCE,
+    );
 }
 
 #[test]
@@ -1266,4 +1300,181 @@ fn an_imported_model_fine_tunes_on_conversations_until_it_answers_them() {
         assert_eq!(g["completion"], *answer, "{g}");
         assert_eq!(g["stopped"], "end-of-text", "the end of turn ends it: {g}");
     }
+}
+
+/// `diffzoo convert RUN --to … --out OUT` with `extra` arguments.
+fn convert(run: &Path, to: &str, out: &Path, extra: &[&str]) -> String {
+    let mut args = vec!["convert", path(run), "--to", to, "--out", path(out)];
+    args.extend(extra);
+    ok(&args)
+}
+
+/// The mean of each sequence's per-token NLL, over the sequences.
+fn mean_nll(nll: &[Vec<f64>]) -> f64 {
+    let (sum, count) = nll
+        .iter()
+        .flatten()
+        .fold((0.0, 0), |(s, n), x| (s + x, n + 1));
+    sum / count as f64
+}
+
+/// Imported checkpoints of every shape (MHA and GQA, tied and untied, q/k/v biases) converted:
+/// to DIFF V2 by copying each query head they score as transformers scored the source, also at
+/// the start of a λ warm-up; perturbed, nearly so; to DIFF V1 in the paired layout they change
+/// (measured, not exact). What cannot be converted is refused by name and writes nothing.
+#[test]
+fn imported_transformers_convert_to_diff_v2_exactly_and_to_v1_paired() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["gguf_llama", "llama3_tied", "llama_gqa", "qwen2_bias"] {
+        let run = tmp.path().join(name);
+        import(&fixture(name), &run);
+        let tokens = fixture(&format!("{name}.tokens.json"));
+        let want = matrix(&json(&fixture(&format!("{name}.nll.json")))["nll"]);
+        for (label, extra) in [("copy", &[][..]), ("warm", &["--warmup", "5"][..])] {
+            let out = tmp.path().join(format!("{name}-v2-{label}"));
+            let said = convert(&run, "diff-v2", &out, extra);
+            assert!(said.contains("computes what the source computes"), "{said}");
+            assert_nll_close(
+                &format!("{name} diff-v2 {label}"),
+                &nll(&out, &tokens, "flex"),
+                &want,
+                NLL_TOLERANCE,
+            );
+            let note = json(&out.join("convert.json"));
+            assert_eq!(note["exact"], true, "{name}");
+            assert_eq!(note["source_attention"], "transformer");
+        }
+        let perturbed = tmp.path().join(format!("{name}-v2-perturbed"));
+        convert(&run, "diff-v2", &perturbed, &["--init", "perturbed"]);
+        let gap = (mean_nll(&nll(&perturbed, &tokens, "flex")) - mean_nll(&want)).abs();
+        assert!(gap > 1e-6 && gap < 0.5, "{name}: perturbed by {gap}");
+        let v1 = tmp.path().join(format!("{name}-v1"));
+        let said = convert(&run, "diff", &v1, &[]);
+        assert!(said.contains("approximates the source"), "{said}");
+        assert_eq!(json(&v1.join("convert.json"))["exact"], false);
+        let recipe = std::fs::read_to_string(v1.join("recipe.toml")).unwrap();
+        assert!(recipe.contains("attention = \"diff\""), "{recipe}");
+        assert!(!recipe.contains("hf_architecture"), "{recipe}");
+        let gap = (mean_nll(&nll(&v1, &tokens, "flex")) - mean_nll(&want)).abs();
+        assert!(
+            gap.is_finite() && gap > 1e-4,
+            "{name}: V1 changed the NLL by {gap}"
+        );
+    }
+
+    let run = tmp.path().join("llama_gqa");
+    let out = tmp.path().join("refused");
+    for (args, says) in [
+        (vec!["--to", "diff", "--init", "copy"], "choose paired"),
+        (
+            vec!["--to", "diff-v2", "--init", "bogus"],
+            "offers copy, perturbed",
+        ),
+        (vec!["--to", "transformer"], "choose diff or diff-v2"),
+        (
+            vec!["--to", "diff-v2", "--noise=-1"],
+            "--noise -1 must be positive",
+        ),
+        (
+            vec!["--to", "diff-v2", "--warmup", "0"],
+            "--warmup must be positive",
+        ),
+    ] {
+        let mut all = vec!["convert", path(&run), "--out", path(&out)];
+        all.extend(args);
+        let err = fails(&all);
+        assert!(err.contains(says), "{err}");
+        assert_nothing_written(&out);
+    }
+    let converted = tmp.path().join("llama_gqa-v1");
+    let err = fails(&[
+        "convert",
+        path(&converted),
+        "--to",
+        "diff-v2",
+        "--out",
+        path(&out),
+    ]);
+    assert!(
+        err.contains("convert takes a baseline Transformer"),
+        "{err}"
+    );
+    let err = fails(&[
+        "convert",
+        path(&run),
+        "--to",
+        "diff",
+        "--out",
+        path(&converted),
+    ]);
+    assert!(err.contains("already exists"), "{err}");
+    // SmolLM2's 9 query heads in 3 groups: V1 cannot pair them (the check comes before the
+    // weights are read).
+    let odd = tmp.path().join("odd");
+    copy_dir(&run, &odd);
+    let recipe = std::fs::read_to_string(odd.join("recipe.toml")).unwrap();
+    let recipe = recipe
+        .replace("heads = 4\n", "heads = 9\nhead_dim = 16\n")
+        .replace("kv_heads = 2\n", "kv_heads = 3\n");
+    std::fs::write(odd.join("recipe.toml"), recipe).unwrap();
+    let err = fails(&["convert", path(&odd), "--to", "diff", "--out", path(&out)]);
+    assert!(
+        err.contains("`model.heads` = 9 and `model.kv_heads` = 3") && err.contains("--to diff-v2"),
+        "{err}"
+    );
+    assert_nothing_written(&out);
+}
+
+/// A converted instruct model fine-tunes through its λ warm-up on the embedded corpus (the loss
+/// falls), is refused by `export hf` while the warm-up is unfinished, and exports after it as a
+/// DiffLlama that imports back scoring alike.
+#[test]
+fn a_converted_model_fine_tunes_through_its_warm_up_and_exports() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("source");
+    import(&fixture("llama3_tied"), &run);
+    let v1 = tmp.path().join("v1");
+    convert(&run, "diff", &v1, &["--warmup", "10"]);
+    let export = tmp.path().join("v1-hf");
+    let err = fails(&["export", "hf", path(&v1), "--out", path(&export)]);
+    assert!(
+        err.contains("step 0 of a 10-step λ warm-up") && err.contains("scaled by 0"),
+        "{err}"
+    );
+    let tuned = tmp.path().join("tuned");
+    let recipe = v1.join("recipe.toml");
+    ok(&[
+        "train",
+        "--recipe",
+        path(&recipe),
+        "--no-dashboard",
+        "--set",
+        "training.steps=20",
+        "--set",
+        "checkpoint.interval=10",
+        "--set",
+        "optimizer.lr=1e-3",
+        "--out",
+        path(&tuned),
+    ]);
+    let losses: Vec<f64> = std::fs::read_to_string(tuned.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|r| r["split"] == "train")
+        .map(|r| r["loss"].as_f64().unwrap())
+        .collect();
+    let (first, last) = (&losses[..5], &losses[15..]);
+    let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+    assert!(mean(last) < mean(first) - 0.05, "{losses:?}");
+    ok(&["export", "hf", path(&tuned), "--out", path(&export)]);
+    let back = tmp.path().join("back");
+    import(&export, &back);
+    let tokens = fixture("llama3_tied.tokens.json");
+    assert_nll_close(
+        "the fine-tuned V1, exported and imported",
+        &nll(&back, &tokens, "flex"),
+        &nll(&tuned, &tokens, "flex"),
+        NLL_TOLERANCE,
+    );
 }

@@ -14,6 +14,7 @@
 //! | parameter counts, FLOPs, KV cache size | [`budget`] |
 //! | incremental decoding (KV cache) | [`cache`] |
 //! | per-block activation recomputation | [`recompute`] |
+//! | a pretrained baseline converted to DIFF V1 or V2 | [`convert`] |
 //! | mixed precision's bf16 compute copy of f32 masters | [`precision`] |
 //! | analysis statistics (Table 5 magnitudes, λ) | [`analysis`] |
 //!
@@ -28,6 +29,7 @@ pub mod attention;
 pub mod budget;
 pub mod cache;
 pub mod config;
+pub mod convert;
 pub mod feed_forward;
 pub mod model;
 pub mod precision;

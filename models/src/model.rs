@@ -236,6 +236,15 @@ impl Model {
         self
     }
 
+    /// The same weights with every layer's λ scaled by `scale` (DIFF V1's λ, V2's λ_{t,h}; 1:
+    /// the paper's model): the state of a warm-up of the negative map at one step.
+    pub fn with_lambda_scale(mut self, scale: f64) -> Self {
+        for block in &mut self.blocks {
+            block.attn.set_lambda_scale(scale);
+        }
+        self
+    }
+
     /// DIFF V1's λ of every layer (input-independent); empty for the other variants.
     pub fn lambdas(&self) -> Vec<f32> {
         self.blocks.iter().filter_map(|b| b.attn.lambda()).collect()

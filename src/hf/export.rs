@@ -73,6 +73,16 @@ fn export(
     let config = recipe.model_config();
     let device = device::parse("cpu")?;
     let (model, weights) = run::load_model(run_dir, &recipe, &device)?;
+    if let Some(n) = recipe.training.lambda_warmup {
+        let step = run::weights_step(run_dir, &recipe, &weights)?;
+        if step < n {
+            bail!(
+                "{}: its {weights} is at step {step} of a {n}-step λ warm-up (`training.lambda_warmup`) and computes with λ scaled by {}, which no transformers class holds: export a run fine-tuned past its warm-up",
+                run_dir.display(),
+                recipe.training.lambda_scale(step)
+            );
+        }
+    }
     let architecture = recipe.model.architecture();
     // Checked before anything is written: a class that cannot hold the model would drop weights.
     architecture

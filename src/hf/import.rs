@@ -211,6 +211,7 @@ fn recipe_of(
             log_every: 10,
             init_from: Some(out.display().to_string()),
             recompute: Recompute::None,
+            lambda_warmup: None,
         },
         checkpoint: CheckpointSection::default(),
     })

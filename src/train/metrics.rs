@@ -225,6 +225,9 @@ pub struct LogRecord<'a> {
     pub tokens_per_sec: Option<f64>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub lambda: Vec<f32>,
+    /// The warm-up's scale of λ this step computed with (`training.lambda_warmup`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lambda_scale: Option<f64>,
     pub elapsed_sec: f64,
 }
 

@@ -603,6 +603,7 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
         )
         .recomputing(recipe.training.recompute)
         .computing_in(recipe.training.precision.compute())
+        .warming_up(recipe.training.lambda_warmup)
         .data_parallel(ranks),
     );
     let trainee = Trainee {

@@ -95,6 +95,8 @@ pub struct StepContext {
     pub recompute: Recompute,
     /// The dtype the passes compute in from a copy of the weights (mixed precision), if any.
     pub compute: Option<FloatDType>,
+    /// Steps of the warm-up of DIFF's negative map (`training.lambda_warmup`), if any.
+    pub lambda_warmup: Option<usize>,
     pub batch_tokens: u64,
     pub total_steps: usize,
     pub interrupter: Interrupter,
@@ -147,6 +149,7 @@ impl StepContext {
             grad_clip,
             recompute: Recompute::None,
             compute: None,
+            lambda_warmup: None,
             batch_tokens,
             total_steps: intervals.total,
             requests: Interrupter::new(),
@@ -179,6 +182,26 @@ impl StepContext {
     pub fn computing_in(mut self, compute: Option<FloatDType>) -> Self {
         self.compute = compute;
         self
+    }
+
+    /// λ scaled by min(1, step/N) over the first `lambda_warmup` = N steps.
+    pub fn warming_up(mut self, lambda_warmup: Option<usize>) -> Self {
+        self.lambda_warmup = lambda_warmup;
+        self
+    }
+
+    /// The warm-up's scale of λ after `done` steps, when there is a warm-up.
+    fn lambda_scale(&self, done: usize) -> Option<f64> {
+        self.lambda_warmup
+            .map(|n| (done as f64 / n as f64).min(1.0))
+    }
+
+    /// The model as it computes after `done` steps: with λ scaled during a warm-up.
+    fn model_at(&self, model: &Model, done: usize) -> Model {
+        match self.lambda_scale(done) {
+            Some(scale) => model.clone().with_lambda_scale(scale),
+            None => model.clone(),
+        }
     }
 
     /// Steps are shared by `ranks` devices (data parallelism), each reporting its share.
@@ -273,6 +296,7 @@ impl StepContext {
             grad_norm: stats.grad_norm,
             tokens_per_sec: stats.tokens_per_sec,
             lambda: stats.lambdas.clone(),
+            lambda_scale: self.lambda_scale(step),
             elapsed_sec: state.started.elapsed().as_secs_f64(),
         };
         if let Err(e) = state.log.write(&record) {
@@ -283,7 +307,7 @@ impl StepContext {
         if let Some(every) = self.print_every
             && ((step + 1).is_multiple_of(every) || step + 1 == self.total_steps || step == 0)
         {
-            let lambdas = match stats.lambdas.as_slice() {
+            let mut lambdas = match stats.lambdas.as_slice() {
                 [] => String::new(),
                 l => format!(
                     " | λ {}",
@@ -293,6 +317,9 @@ impl StepContext {
                         .join(" ")
                 ),
             };
+            if let Some(scale) = self.lambda_scale(step) {
+                lambdas += &format!(" | λ scale {scale:.3}");
+            }
             let remaining = eta(
                 step + 1 - first_done,
                 self.total_steps.saturating_sub(step + 1),
@@ -366,6 +393,7 @@ impl StepContext {
             grad_norm: None,
             tokens_per_sec: None,
             lambda: Vec::new(),
+            lambda_scale: self.lambda_scale(step),
             elapsed_sec: state.started.elapsed().as_secs_f64(),
         };
         if let Err(e) = state.log.write(&record) {
@@ -404,19 +432,14 @@ impl TrainStep for Trainee {
     fn step(&self, item: StepBatch) -> TrainOutput<StepStats> {
         let started = Instant::now();
         let context = self.context();
+        let model = context.model_at(&self.model, item.step);
         let mut accumulator = GradientsAccumulator::new();
         let (loss, tokens) = over_batches(&item.micro, |batch| {
-            backward(
-                &self.model,
-                batch,
-                context.recompute,
-                context.compute,
-                |grads| {
-                    context.backward_done();
-                    accumulator
-                        .accumulate(&self.model, GradientsParams::from_grads(grads, &self.model));
-                },
-            )
+            backward(&model, batch, context.recompute, context.compute, |grads| {
+                context.backward_done();
+                accumulator
+                    .accumulate(&self.model, GradientsParams::from_grads(grads, &self.model));
+            })
         });
         let mut grads = accumulator.grads();
         // Burn's accumulation sums; PyTorch users expect the mean over micro-batches.
@@ -450,14 +473,16 @@ impl InferenceStep for Trainee {
     type Output = StepStats;
 
     fn step(&self, item: StepBatch) -> StepStats {
-        let model = compute_copy(&self.model, self.context().compute);
+        let context = self.context();
+        let model = context.model_at(&self.model, context.control.steps_done());
+        let model = compute_copy(&model, context.compute);
         let (loss, tokens) = over_batches(&item.micro, |batch| lm_loss(&model, batch));
         let stats = StepStats {
             loss,
             tokens,
             ..Default::default()
         };
-        self.context().valid_batch(&stats);
+        context.valid_batch(&stats);
         stats
     }
 }

@@ -96,6 +96,7 @@ fn scalars(record: &serde_json::Value) -> Vec<(String, f32)> {
         "grad_norm",
         "tokens_per_sec",
         "tokens_seen",
+        "lambda_scale",
     ]
     .iter()
     .filter_map(|key| Some((format!("{split}/{key}"), record[*key].as_f64()? as f32)))

@@ -14,6 +14,10 @@
 //! out = Concat(head_0 … head_{H'−1})·W_o
 //! ```
 //!
+//! During a warm-up of the negative map (`training.lambda_warmup`, for a model converted from a
+//! pretrained Transformer) λ is scaled by `lambda_scale` = min(1, step/N): the maps subtract
+//! `lambda_scale·λ·A₂` (1 outside a warm-up: the paper's model).
+//!
 //! The explicit path computes both maps with one batched matmul over the 2H' half-heads (no copy
 //! of Q or K; the `[B, 2H', S, S]` maps are then viewed as pairs) and applies `A₁ − λ·A₂` to V
 //! once; the fused and flash paths run one standard attention over the 2H' half-heads with V
@@ -56,6 +60,9 @@ pub struct DiffAttention {
     pub implementation: AttentionImpl,
     /// Quantise attention logits to this many bits (0: off; analysis only).
     pub logit_bits: u32,
+    /// The warm-up's scale of λ (1: none).
+    #[module(skip)]
+    pub lambda_scale: f64,
 }
 
 impl DiffAttention {
@@ -87,6 +94,7 @@ impl DiffAttention {
             kv_heads,
             implementation: config.attention_impl,
             logit_bits: 0,
+            lambda_scale: 1.0,
         }
     }
 
@@ -131,9 +139,12 @@ impl DiffAttention {
         self.o_proj.forward(merge_heads(heads))
     }
 
-    /// λ as a `[1, 1, 1, 1]` tensor in `dtype`, ready to broadcast.
+    /// `lambda_scale·λ` as a `[1, 1, 1, 1]` tensor in `dtype`, ready to broadcast.
     fn lambda_as(&self, dtype: DType) -> Tensor<4> {
-        self.lambda().cast(dtype).reshape([1, 1, 1, 1])
+        self.lambda()
+            .mul_scalar(self.lambda_scale)
+            .cast(dtype)
+            .reshape([1, 1, 1, 1])
     }
 
     /// `x` `[B, S, d_model]` → `[B, S, d_model]`, after the positions in `cache` when there is one.

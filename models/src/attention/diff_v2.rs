@@ -12,6 +12,10 @@
 //! out = Concat(out_0 … out_{H−1})·W_o,  W_o: H·d → d_model
 //! ```
 //!
+//! During a warm-up of the negative map (`training.lambda_warmup`, for a model converted from a
+//! pretrained Transformer) the subtracted output is scaled by `lambda_scale` = min(1, step/N):
+//! `out_h = o_{2h} − lambda_scale·λ_{t,h}·o_{2h+1}` (1 outside a warm-up).
+//!
 //! V2 has d_model² + H·d_model more parameters per layer than the baseline (the extra H query
 //! heads and W_λ).
 
@@ -46,6 +50,9 @@ pub struct DiffV2Attention {
     pub implementation: AttentionImpl,
     /// Quantise attention logits to this many bits (0: off; analysis only).
     pub logit_bits: u32,
+    /// The warm-up's scale of the subtracted output (1: none).
+    #[module(skip)]
+    pub lambda_scale: f64,
 }
 
 impl DiffV2Attention {
@@ -62,6 +69,7 @@ impl DiffV2Attention {
             kv_heads,
             implementation: config.attention_impl,
             logit_bits: 0,
+            lambda_scale: 1.0,
         }
     }
 
@@ -80,7 +88,7 @@ impl DiffV2Attention {
         ([q, repeat_kv(k, n_rep), repeat_kv(v, n_rep)], mask)
     }
 
-    /// Pairs `[B, 2H, S, n]` into `x_{2h} − λ_{t,h}·x_{2h+1}`, `[B, H, S, n]`.
+    /// Pairs `[B, 2H, S, n]` into `x_{2h} − lambda_scale·λ_{t,h}·x_{2h+1}`, `[B, H, S, n]`.
     fn differentiate(&self, x: Tensor<4>, lambda: Tensor<3>) -> Tensor<4> {
         let [b, _, s, n] = x.dims();
         let pairs = x.reshape([b, self.heads, 2, s, n]);
@@ -88,6 +96,7 @@ impl DiffV2Attention {
         let second = pairs.narrow(2, 1, 1).squeeze_dim::<4>(2);
         // λ [B, S, H] → [B, H, S, 1], in the activations' dtype.
         let lambda = lambda
+            .mul_scalar(self.lambda_scale)
             .cast(first.dtype())
             .swap_dims(1, 2)
             .unsqueeze_dim::<4>(3);

@@ -122,6 +122,16 @@ impl Attention {
         }
     }
 
+    /// Scales this layer's λ by `scale` from now on: the warm-up of a converted model's
+    /// negative map ([`DiffAttention`], [`DiffV2Attention`]); the baseline has none to scale.
+    pub fn set_lambda_scale(&mut self, scale: f64) {
+        match self {
+            Self::Transformer(_) => {}
+            Self::Diff(a) => a.lambda_scale = scale,
+            Self::DiffV2(a) => a.lambda_scale = scale,
+        }
+    }
+
     /// DIFF V1's current λ of this layer (input-independent); `None` for other variants.
     pub fn lambda(&self) -> Option<f32> {
         match self {
