@@ -142,7 +142,9 @@ fn write(args: &ConvertArgs, source: &Recipe, options: Options, staging: &Path) 
             .with_context(|| format!("copying {}", tokenizer.display()))?;
     }
     let companions = run::copy_companions(&args.run, staging)?;
-    let exact = matches!(options.init, Init::Copy);
+    // V2 with copies is the source; with a warm-up, perturbed or not, it is at the warm-up's
+    // start (the second heads are multiplied by 0 there).
+    let exact = args.to == AttentionKind::DiffV2 && (options.init == Init::Copy || options.warmup);
     let note = serde_json::json!({
         "source": std::path::absolute(&args.run)?.display().to_string(),
         "source_weights": weights.stage(),

@@ -319,16 +319,22 @@ pub struct TrainingSection {
     pub recompute: Recompute,
     /// A warm-up of DIFF's negative map over this many steps: λ (V1) or the subtracted output
     /// (V2) is scaled by min(1, step/N), so that a model converted from a pretrained Transformer
-    /// (`diffzoo convert`) starts from the source's maps; unset: none.
+    /// (`diffzoo convert`) starts from the source's maps; unset or 0: none (0 also declines the
+    /// warm-up a model-less recipe would take from its `init_from` run).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lambda_warmup: Option<usize>,
 }
 
 impl TrainingSection {
+    /// The steps of the warm-up of DIFF's negative map, when there is one.
+    pub fn warmup_steps(&self) -> Option<usize> {
+        self.lambda_warmup.filter(|&n| n > 0)
+    }
+
     /// The scale of λ after `step` optimizer steps: min(1, step/N) during a warm-up over N
     /// steps, else 1.
     pub fn lambda_scale(&self, step: usize) -> f64 {
-        self.lambda_warmup
+        self.warmup_steps()
             .map_or(1.0, |n| (step as f64 / n as f64).min(1.0))
     }
 }
@@ -704,12 +710,8 @@ impl Recipe {
         if let Some(seed) = repeated_seed(&t.seeds) {
             return Err(format!("`training.seeds`: {seed} is given twice"));
         }
-        match (t.lambda_warmup, self.model.attention) {
-            (Some(0), _) => return Err("`training.lambda_warmup` must be positive".into()),
-            (Some(_), AttentionKind::Transformer) => {
-                return Err("`training.lambda_warmup` warms up DIFF's negative map: `model.attention = \"transformer\"` has none".into());
-            }
-            _ => {}
+        if t.warmup_steps().is_some() && self.model.attention == AttentionKind::Transformer {
+            return Err("`training.lambda_warmup` warms up DIFF's negative map: `model.attention = \"transformer\"` has none".into());
         }
         let o = &self.optimizer;
         if !(o.lr > 0.0 && o.lr.is_finite()) {
@@ -1281,8 +1283,9 @@ fn model_of_init(table: &mut toml::Table) -> Result<Vec<String>> {
             path.display()
         );
     }
-    let model = from_run_file(&path)?.model;
-    let mut model = toml::Table::try_from(&model).expect("a model section serializes");
+    let init_recipe = from_run_file(&path)?;
+    let mut inherited = inherit_unset(table, &init_recipe, Path::new(&init));
+    let mut model = toml::Table::try_from(&init_recipe.model).expect("a model section serializes");
     let adjusted = match table.remove("model") {
         Some(toml::Value::Table(own)) => {
             let keys: Vec<String> = own.keys().map(|k| format!("model.{k}")).collect();
@@ -1292,14 +1295,64 @@ fn model_of_init(table: &mut toml::Table) -> Result<Vec<String>> {
         _ => Vec::new(),
     };
     table.insert("model".into(), toml::Value::Table(model));
+    inherited.insert(0, "[model]".to_string());
     Ok(vec![format!(
-        "[model] is that of `training.init_from` = {init:?} ({}){}",
+        "{} that of `training.init_from` = {init:?} ({}){}",
+        match inherited.as_slice() {
+            [one] => format!("{one} is"),
+            many => format!("{} are", many.join(", ")),
+        },
         path.display(),
         match adjusted.as_slice() {
             [] => String::new(),
             keys => format!(", with {} as given", keys.join(", ")),
         }
     )])
+}
+
+/// What a model-less recipe also takes from the run it starts from (`init`, at `dir`), where it
+/// does not set them: that run's tokenizer for the embedded corpus (`data.tokenizer`: the
+/// model's vocabulary is that tokenizer's) and, while that run's weights are inside it, its
+/// warm-up of the negative map (`training.lambda_warmup`: a fresh conversion's; one whose
+/// weights are past it is not started again). Returns the keys taken.
+fn inherit_unset(table: &mut toml::Table, init: &Recipe, dir: &Path) -> Vec<String> {
+    let mut taken = Vec::new();
+    // A section that is not a table is left as it is, for deserialising to name.
+    let section = |table: &mut toml::Table, name: &str| -> Option<toml::Table> {
+        match table.get(name) {
+            None => Some(toml::Table::new()),
+            Some(toml::Value::Table(t)) => Some(t.clone()),
+            Some(_) => None,
+        }
+    };
+    if let Some(mut data) = section(table, "data") {
+        let embedded = data
+            .get("corpus")
+            .and_then(toml::Value::as_str)
+            .is_some_and(|c| c == diffzoo_datasets::corpus::EMBEDDED);
+        if let (true, false, Some(tokenizer)) = (
+            embedded,
+            data.contains_key("tokenizer"),
+            &init.data.tokenizer,
+        ) {
+            data.insert("tokenizer".into(), tokenizer.clone().into());
+            taken.push("`data.tokenizer`".to_string());
+            table.insert("data".into(), data.into());
+        }
+    }
+    if let (Some(mut training), Some(n)) =
+        (section(table, "training"), init.training.warmup_steps())
+    {
+        let inside = crate::run::find_weights(dir)
+            .and_then(|w| crate::run::weights_step(dir, init, &w))
+            .is_ok_and(|step| step < n);
+        if inside && !training.contains_key("lambda_warmup") {
+            training.insert("lambda_warmup".into(), (n as i64).into());
+            taken.push("`training.lambda_warmup`".to_string());
+            table.insert("training".into(), training.into());
+        }
+    }
+    taken
 }
 
 /// `training.dtype`, the name `training.precision` had before mixed precision, read into it:
@@ -1547,6 +1600,44 @@ mod tests {
         let r = resolve("sft", &set(&[])).unwrap();
         assert_eq!(r.recipe.model, tiny.model);
         assert!(r.notes[0].contains("training.init_from"), "{:?}", r.notes);
+        // From the embedded corpus it reads the run's tokenizer; from shards, theirs.
+        assert_eq!(r.recipe.data.tokenizer, None);
+        let retrofit = |extra: &[String]| {
+            let mut all = vec![format!(
+                "training.init_from={:?}",
+                run.path().display().to_string()
+            )];
+            all.extend(extra.iter().cloned());
+            resolve("retrofit/finetune", &all).unwrap()
+        };
+        let r = retrofit(&[]);
+        assert_eq!(r.recipe.data.tokenizer.as_deref(), Some("bpe"));
+        assert_eq!(r.recipe.training.lambda_warmup, None);
+        assert!(r.notes[0].contains("`data.tokenizer` are"), "{:?}", r.notes);
+        // A converted run's warm-up comes with its model (its final model, which no `train`
+        // wrote, is at step 0), unless the recipe sets its own or declines it with 0 …
+        let mut converted = tiny.clone();
+        converted.training.lambda_warmup = Some(30);
+        std::fs::write(run.path().join(crate::run::RECIPE), converted.to_toml()).unwrap();
+        std::fs::write(run.path().join(crate::run::FINAL_MODEL), b"").unwrap();
+        let r = retrofit(&[]);
+        assert_eq!(r.recipe.training.lambda_warmup, Some(30));
+        assert!(
+            r.notes[0].contains("`training.lambda_warmup`"),
+            "{:?}",
+            r.notes
+        );
+        let own = retrofit(&["training.lambda_warmup=5".into()]);
+        assert_eq!(own.recipe.training.lambda_warmup, Some(5));
+        let none = retrofit(&["training.lambda_warmup=0".into()]);
+        assert_eq!(none.recipe.training.warmup_steps(), None);
+        // … and not once the run's weights are past it (a finished run of 240 steps).
+        crate::run::RunEnd::new("finished", None)
+            .write(run.path())
+            .unwrap();
+        assert_eq!(retrofit(&[]).recipe.training.lambda_warmup, None);
+        std::fs::remove_file(run.path().join(crate::run::FINAL_MODEL)).unwrap();
+        std::fs::write(run.path().join(crate::run::RECIPE), tiny.to_toml()).unwrap();
         // A model key given adjusts the inherited model; the rest stays the run's.
         let flash = resolve("sft", &set(&["model.attention_impl=\"flash\""])).unwrap();
         assert_eq!(flash.recipe.model.attention_impl, AttentionChoice::Flash);

@@ -369,7 +369,7 @@ pub fn load_model(run: &Path, recipe: &Recipe, device: &Device) -> Result<(Model
 /// The scale of λ the run's `weights` compute with: 1 without a warm-up
 /// (`training.lambda_warmup`); during one that of their step ([`weights_step`]).
 pub fn lambda_scale(run: &Path, recipe: &Recipe, weights: &Weights) -> Result<f64> {
-    if recipe.training.lambda_warmup.is_none() {
+    if recipe.training.warmup_steps().is_none() {
         return Ok(1.0);
     }
     Ok(recipe
@@ -377,16 +377,28 @@ pub fn lambda_scale(run: &Path, recipe: &Recipe, weights: &Weights) -> Result<f6
         .lambda_scale(weights_step(run, recipe, weights)?))
 }
 
-/// The training step the run's `weights` are at: a checkpoint's, a finished run's last, or 0 for
-/// a final model that no `train` wrote (an import's, a conversion's); a weights file does not
-/// say.
+/// The training step the run's `weights` are at: a checkpoint's; for a final model, the
+/// checkpoint's whose file it is (the hard link [`save_final`] makes), else a finished run's last
+/// step, else 0 (a final model no `train` wrote: an import's, a conversion's); a weights file
+/// does not say.
 pub fn weights_step(run: &Path, recipe: &Recipe, weights: &Weights) -> Result<usize> {
+    use std::os::unix::fs::MetadataExt;
     Ok(match weights {
         Weights::Checkpoint(c, _) => c.step,
-        Weights::Final(_) => match RunEnd::read(run) {
-            Some(end) if end.state == "finished" => recipe.total_steps(),
-            _ => 0,
-        },
+        Weights::Final(file) => {
+            let inode = |path: &Path| std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()));
+            let linked = verified_checkpoints(run).into_iter().rev().find(|c| {
+                let part = run
+                    .join(CHECKPOINTS)
+                    .join(checkpoint::part_name("model", c.number));
+                inode(&part).is_some() && inode(&part) == inode(file)
+            });
+            match (linked, RunEnd::read(run)) {
+                (Some(c), _) => c.step,
+                (None, Some(end)) if end.state == "finished" => recipe.total_steps(),
+                (None, _) => 0,
+            }
+        }
         Weights::File(path) => bail!(
             "{}: a weights file does not say its training step, which the run's λ warm-up (`training.lambda_warmup`) needs: give the run directory",
             path.display()

@@ -115,7 +115,10 @@ pub fn measure(loaded: &Loaded, run_dir: &Path) -> Result<Lambdas> {
         let file = run_dir
             .join(run::CHECKPOINTS)
             .join(checkpoint::part_name("model", checkpoint.number));
+        // At the checkpoint's own warm-up scale, so that V2's λ is read from the activations
+        // that step computed; λ itself is reported before that scale.
         let (model, _) = run::load_weights(&file, &config, &loaded.device)?;
+        let model = model.with_lambda_scale(loaded.recipe.training.lambda_scale(checkpoint.step));
         let (mean, std) = layer_lambdas(loaded, &model, &window);
         checkpoints.push(LambdaAt {
             step: checkpoint.step,

@@ -73,7 +73,7 @@ fn export(
     let config = recipe.model_config();
     let device = device::parse("cpu")?;
     let (model, weights) = run::load_model(run_dir, &recipe, &device)?;
-    if let Some(n) = recipe.training.lambda_warmup {
+    if let Some(n) = recipe.training.warmup_steps() {
         let step = run::weights_step(run_dir, &recipe, &weights)?;
         if step < n {
             bail!(

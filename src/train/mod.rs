@@ -603,7 +603,7 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
         )
         .recomputing(recipe.training.recompute)
         .computing_in(recipe.training.precision.compute())
-        .warming_up(recipe.training.lambda_warmup)
+        .warming_up(recipe.training.warmup_steps())
         .data_parallel(ranks),
     );
     let trainee = Trainee {

@@ -45,7 +45,7 @@ pub struct AttentionProbe {
     /// the baseline, `A₁ − λ·A₂` for DIFF V1, `A_{2h} − λ_{t,h}·A_{2h+1}` for DIFF V2.
     pub effective: Tensor<4>,
     /// λ: `[1, 1, 1]` for DIFF V1 (one scalar per layer), `[B, S, H]` for DIFF V2, `None` for
-    /// the baseline. Always f32.
+    /// the baseline. Always f32, before a warm-up's `lambda_scale` (which `effective` includes).
     pub lambda: Option<Tensor<3>>,
 }
 
