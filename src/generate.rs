@@ -359,10 +359,10 @@ fn decode(
 /// The tokens that end a generation: the tokenizer's end-of-text and the `eos_token_id` (one
 /// id or a list) of the run's `generation_config.json`, where instruct models name their end of
 /// turn.
-struct Ends(Vec<u32>);
+pub struct Ends(Vec<u32>);
 
 impl Ends {
-    fn of(run: &Path, tokenizer: &TextTokenizer) -> Result<Self> {
+    pub fn of(run: &Path, tokenizer: &TextTokenizer) -> Result<Self> {
         let mut ids = vec![tokenizer.eot_id()];
         let path = run.join(GENERATION_CONFIG);
         if let Ok(text) = std::fs::read_to_string(&path) {
@@ -392,6 +392,40 @@ impl Ends {
     fn contains(&self, id: u32) -> bool {
         self.0.contains(&id)
     }
+}
+
+/// The greedy completion of `prompt` (which must leave room for `max_tokens` more in the
+/// model's context): up to `max_tokens` tokens, ending before one of `ends` or before the text
+/// `stop`.
+pub fn greedy(
+    model: &Model,
+    device: &Device,
+    tokenizer: &TextTokenizer,
+    ends: &Ends,
+    prompt: &[u32],
+    max_tokens: usize,
+    stop: Option<&str>,
+) -> Result<String> {
+    let (mut decoder, logits) = Decoder::prefill(model, device, &[prompt], tokenizer.eot_id())?;
+    let mut logits = logits.into_iter().next().expect("one row");
+    let mut rng = Rng::new(0);
+    let mut tokens = Vec::new();
+    for step in 1..=max_tokens {
+        let next = pick(logits, 0.0, None, None, &mut rng);
+        if ends.contains(next) {
+            break;
+        }
+        tokens.push(next);
+        let text = tokenizer.decode(&tokens)?;
+        if let Some(at) = stop.and_then(|s| text.find(s)) {
+            return Ok(text[..at].to_string());
+        }
+        if step == max_tokens {
+            return Ok(text);
+        }
+        logits = decoder.feed(&[next], 1)?.remove(0);
+    }
+    Ok(tokenizer.decode(&tokens)?)
 }
 
 /// `--chat`: one user turn per line of standard input, each answer streamed, until an empty

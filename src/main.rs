@@ -26,6 +26,7 @@ mod scaling;
 mod slurm;
 mod stats;
 mod sweep;
+mod synth;
 mod train;
 mod watch;
 
@@ -156,6 +157,10 @@ enum EvalCommand {
     Quant(eval::quant::QuantArgs),
     /// λ of every layer across the run's checkpoints.
     Lambda(eval::lambda::LambdaArgs),
+    /// Many-shot in-context classification by the number and order of demonstrations (Fig. 6, 7).
+    Icl(eval::icl::IclArgs),
+    /// Contextual hallucination: outputs from a source, judged supported or not (Table 4).
+    Hallucination(eval::hallucination::HallucinationArgs),
 }
 
 #[derive(Subcommand)]
@@ -174,6 +179,11 @@ enum DataCommand {
     Merge(data::MergeArgs),
     /// Check a shard directory: every shard's size and SHA-256 against its manifest.
     Verify(data::VerifyArgs),
+    /// Write a seeded synthetic task: training documents and its evaluation sets.
+    Synth {
+        #[command(subcommand)]
+        task: synth::SynthTask,
+    },
 }
 
 fn main() {
@@ -262,6 +272,8 @@ fn dispatch(cli: Cli) -> Result<Outcome> {
             EvalCommand::Outliers(args) => eval::outliers::run(&args),
             EvalCommand::Quant(args) => eval::quant::run(&args),
             EvalCommand::Lambda(args) => eval::lambda::run(&args),
+            EvalCommand::Icl(args) => eval::icl::run(&args),
+            EvalCommand::Hallucination(args) => eval::hallucination::run(&args),
         },
         Command::Compare(args) => eval::compare::run(&args),
         Command::Watch(args) => watch::run(&args),
@@ -274,6 +286,7 @@ fn dispatch(cli: Cli) -> Result<Outcome> {
             DataCommand::Tokenizer(args) => data::tokenizer(&args),
             DataCommand::Merge(args) => data::merge(&args),
             DataCommand::Verify(args) => data::verify(&args),
+            DataCommand::Synth { task } => synth::run(&task),
         },
         Command::Convert(args) => convert::run(&args),
         Command::Import { command } => match command {

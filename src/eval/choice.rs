@@ -30,7 +30,7 @@ use crate::{device, run};
 use anyhow::{Context, Result, anyhow, bail};
 use burn::tensor::{Device, Tensor};
 use diffzoo_datasets::TextTokenizer;
-use diffzoo_models::Model;
+use diffzoo_models::{KvCache, Model};
 use serde::Serialize;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -375,6 +375,18 @@ pub fn log_likelihoods(
     let mut cache = model.cache();
     let first = model.forward_cached(id_tensor(context, device), &mut cache);
     let first = first.narrow(1, context.len() - 1, 1);
+    continue_scores(model, &cache, first, continuations, device)
+}
+
+/// `Σ log p(c_j | what `cache` holds, c_<j)` for each continuation `c`, each computed from its
+/// own copy of `cache`; `first`: the logits `[1, 1, vocab]` after the cached positions.
+pub fn continue_scores(
+    model: &Model,
+    cache: &KvCache,
+    first: Tensor<3>,
+    continuations: &[Vec<u32>],
+    device: &Device,
+) -> Vec<f64> {
     continuations
         .iter()
         .map(|c| {

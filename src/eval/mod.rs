@@ -12,6 +12,8 @@
 //! | `outliers`     | top-k and median of |attention logits| and |hidden states|   | Table 5     |
 //! | `quant`        | loss (and retrieval) with attention logits at 16/8/6/4 bits | Fig. 8      |
 //! | `lambda`       | λ of every layer across the run's checkpoints               |             |
+//! | `icl`          | many-shot in-context classification, by demonstrations and orders | Fig. 6, 7 |
+//! | `hallucination`| share of outputs a judge finds supported by their source    | Table 4     |
 //!
 //! A run over seeds (`RUN/seed-N`) is measured seed by seed: `ppl` and `recall` pool their own
 //! way, every other task through [`seeds`] (each number's mean and interval over the seeds).
@@ -19,6 +21,8 @@
 pub mod attention;
 pub mod choice;
 pub mod compare;
+pub mod hallucination;
+pub mod icl;
 pub mod lambda;
 pub mod needle;
 pub mod outliers;
