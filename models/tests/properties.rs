@@ -281,7 +281,10 @@ fn probe_maps_are_causal_and_rows_sum_to_one_minus_lambda() {
         let model = config(attention, 8, 4).init(&device);
         let input = tokens(2, 9, 61, 9, &device);
         let probe = model.forward_probe(input.clone());
-        assert!(max_abs_diff(probe.logits.clone(), model.forward(input)) <= 1e-6);
+        // The probe forms each query head's map (keys repeated for GQA), the forward pass one
+        // matmul per kv head: the same sums in other orders (measured 1.1e-6 at most).
+        let gap = max_abs_diff(probe.logits.clone(), model.forward(input));
+        assert!(gap <= 1e-5, "{attention}: {gap:e}");
         assert_eq!(probe.layers.len(), 3);
         for layer in &probe.layers {
             let a = &layer.attention;

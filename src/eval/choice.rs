@@ -350,7 +350,7 @@ pub fn score_question(
 }
 
 /// `Σ log p(c_j | context, c_<j)` for each continuation `c`: the context once through the KV
-/// cache, each continuation from a copy of it. A pair longer than the model's context keeps its
+/// cache, each continuation after it ([`continue_scores`]). A pair longer than the model's context keeps its
 /// last `max_seq_len + 1` tokens (recomputed without the shared cache).
 pub fn log_likelihoods(
     model: &Model,
@@ -375,18 +375,20 @@ pub fn log_likelihoods(
     let mut cache = model.cache();
     let first = model.forward_cached(id_tensor(context, device), &mut cache);
     let first = first.narrow(1, context.len() - 1, 1);
-    continue_scores(model, &cache, first, continuations, device)
+    continue_scores(model, &mut cache, first, continuations, device)
 }
 
-/// `Σ log p(c_j | what `cache` holds, c_<j)` for each continuation `c`, each computed from its
-/// own copy of `cache`; `first`: the logits `[1, 1, vocab]` after the cached positions.
+/// `Σ log p(c_j | what `cache` holds, c_<j)` for each continuation `c`; `first`: the logits
+/// `[1, 1, vocab]` after the cached positions. Each continuation is appended to `cache` and
+/// truncated away again, so that its buffers are written in place, never copied.
 pub fn continue_scores(
     model: &Model,
-    cache: &KvCache,
+    cache: &mut KvCache,
     first: Tensor<3>,
     continuations: &[Vec<u32>],
     device: &Device,
 ) -> Vec<f64> {
+    let len = cache.len();
     continuations
         .iter()
         .map(|c| {
@@ -395,8 +397,8 @@ pub fn continue_scores(
             let logits = if fed.is_empty() {
                 first.clone()
             } else {
-                let mut own = cache.clone();
-                let rest = model.forward_cached(id_tensor(fed, device), &mut own);
+                let rest = model.forward_cached(id_tensor(fed, device), cache);
+                cache.truncate(len);
                 Tensor::cat(vec![first.clone(), rest], 1)
             };
             summed_log_probs(logits, c, device)

@@ -15,8 +15,8 @@
 //! whitespace ending the prefix moves to the label). The k demonstrations are the first k of one
 //! seeded permutation of the file (nested as k grows). Each demonstration and each item prefix
 //! is tokenized on its own and the ids concatenated, so that the demonstrations are computed
-//! once per prompt through the KV cache; each test item continues from a copy of that cache, and
-//! each label from a copy of the item's: a prompt costs one prefill, not one per label.
+//! once per prompt through the KV cache; each test item continues after them and each label
+//! after the item, each truncated away again: a prompt costs one prefill, not one per label.
 //!
 //! With `--orders K` each k is measured under K orders of its demonstrations: seeded random
 //! permutations (`--arrangement random`), or arranged alternately by class (`alternate`: the
@@ -496,8 +496,8 @@ fn classify(model: &Model, device: &Device, tokens: &Tokens, arranged: &[usize])
 }
 
 /// Each test item's label log-likelihoods after the demonstrations `arranged`: the
-/// demonstrations once through the KV cache, each item from a copy of it, each label from a copy
-/// of the item's.
+/// demonstrations once through the KV cache, each item after them and each label after the item,
+/// each truncated away again (the cache's buffers written in place, never copied).
 fn label_scores(
     model: &Model,
     device: &Device,
@@ -508,19 +508,20 @@ fn label_scores(
         .iter()
         .flat_map(|&d| tokens.demos[d].iter().copied())
         .collect();
-    let mut shared = model.cache();
+    let mut cache = model.cache();
     if !demos.is_empty() {
-        model.forward_cached(id_tensor(&demos, device), &mut shared);
+        model.forward_cached(id_tensor(&demos, device), &mut cache);
     }
     tokens
         .prefixes
         .iter()
         .zip(&tokens.labels)
         .map(|(prefix, labels)| {
-            let mut own = shared.clone();
-            let logits = model.forward_cached(id_tensor(prefix, device), &mut own);
+            let logits = model.forward_cached(id_tensor(prefix, device), &mut cache);
             let last = logits.narrow(1, prefix.len() - 1, 1);
-            continue_scores(model, &own, last, labels, device)
+            let scores = continue_scores(model, &mut cache, last, labels, device);
+            cache.truncate(demos.len());
+            scores
         })
         .collect()
 }

@@ -78,14 +78,12 @@ impl DiffV2Attention {
         sigmoid(self.lambda_proj.forward(x).cast(DType::F32))
     }
 
-    /// Q `[B, 2H, S, d]`, and K and V GQA-repeated to 2H heads `[B, 2H, T, d]` of the T
-    /// positions so far: this step's S, after those in `cache`; with the step's padding mask.
+    /// Q `[B, 2H, S, d]`, and K and V `[B, H_kv, T, d]` of the T positions so far: this step's
+    /// S, after those in `cache`; with the step's padding mask.
     fn qkv(&self, x: Tensor<3>, rope: &RotaryEncoding, cache: Option<&mut LayerCache>) -> StepQkv {
         let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
         let heads = [2 * self.heads, self.kv_heads, self.kv_heads];
-        let ([q, k, v], mask) = step_qkv(x, projections, heads, rope, cache);
-        let n_rep = 2 * self.heads / self.kv_heads;
-        ([q, repeat_kv(k, n_rep), repeat_kv(v, n_rep)], mask)
+        step_qkv(x, projections, heads, rope, cache)
     }
 
     /// Pairs `[B, 2H, S, n]` into `x_{2h} − lambda_scale·λ_{t,h}·x_{2h+1}`, `[B, H, S, n]`.
@@ -125,6 +123,9 @@ impl DiffV2Attention {
     ) -> (Tensor<3>, AttentionProbe) {
         let lambda = self.lambda(x.clone());
         let ([q, k, v], _) = self.qkv(x, rope, None);
+        // One map per query head: the keys and values repeated for the GQA groups.
+        let n_rep = 2 * self.heads / self.kv_heads;
+        let (k, v) = (repeat_kv(k, n_rep), repeat_kv(v, n_rep));
         let logits = causal_logits(q, k, self.logit_bits, None);
         let probs = softmax(logits.clone(), 3);
         // Both heads of a pair read the same values, so the output is this map applied to them.

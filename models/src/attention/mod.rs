@@ -269,8 +269,8 @@ pub(crate) fn causal_logits<const D: usize>(
     let logits = q
         .matmul(k.swap_dims(D - 2, D - 1))
         .mul_scalar(1.0 / (d as f64).sqrt());
-    let past = (t - s) as i64;
     let future = mask.unwrap_or_else(|| {
+        let past = (t - s) as i64;
         Tensor::<2, Bool>::tril_mask([s, t], past, &logits.device()).unsqueeze::<D>()
     });
     let logits = if bits > 0 {
@@ -318,8 +318,10 @@ pub(crate) fn causal_softmax<const D: usize>(
 
 /// `softmax(q·kᵀ/√d + causal mask)·v` by the configured implementation; quantised logits
 /// (`bits > 0`), queries after cached keys (decoding) and a given `mask` (padding, see
-/// [`causal_logits`]) take the explicit path. `q`: `[B, H, S, d]`, `k`: `[B, H, T, d]`, `v`:
-/// `[B, H, T, d_v]`, the queries being the last S of the T positions.
+/// [`causal_logits`]) take the explicit path. `q`: `[B, H, S, d]`, `k`: `[B, H_kv, T, d]`, `v`:
+/// `[B, H_kv, T, d_v]` with H = n_rep·H_kv (GQA: query head i reads kv head i / n_rep), the
+/// queries being the last S of the T positions. The explicit path reads the shared keys and
+/// values in place ([`grouped_causal_attention`]); the others repeat them first.
 pub(crate) fn causal_attention(
     q: Tensor<4>,
     k: Tensor<4>,
@@ -328,18 +330,67 @@ pub(crate) fn causal_attention(
     bits: u32,
     mask: Option<Tensor<4, Bool>>,
 ) -> Tensor<4> {
+    let n_rep = q.dims()[1] / k.dims()[1];
     let cached = k.dims()[2] > q.dims()[2];
     match implementation {
-        _ if bits > 0 || cached || mask.is_some() => causal_softmax(q, k, bits, mask).matmul(v),
-        AttentionImpl::Explicit => causal_softmax(q, k, 0, None).matmul(v),
+        // Per-map quantisation scales need each head's map on its own.
+        _ if bits > 0 => {
+            causal_softmax(q, repeat_kv(k, n_rep), bits, mask).matmul(repeat_kv(v, n_rep))
+        }
+        _ if cached || mask.is_some() => grouped_causal_attention(q, k, v, mask),
+        AttentionImpl::Explicit => grouped_causal_attention(q, k, v, None),
         AttentionImpl::Fused => {
             // Burn's attention op; its default scale is 1/√d.
             let options = AttentionModuleOptions {
                 is_causal: true,
                 ..Default::default()
             };
-            attention(q, k, v, None, None, options)
+            attention(
+                q,
+                repeat_kv(k, n_rep),
+                repeat_kv(v, n_rep),
+                None,
+                None,
+                options,
+            )
         }
-        AttentionImpl::Flash { block } => flash::flash_causal_attention(q, k, v, block),
+        AttentionImpl::Flash { block } => {
+            flash::flash_causal_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), block)
+        }
     }
+}
+
+/// Causal attention for GQA without repeating K and V: the n_rep query heads of each kv head
+/// are stacked along the query axis, `[B, H_kv, n_rep·S, d]`, so that one matmul per kv head
+/// reads its keys and values once (the same numbers as repeating them, a copy of K and V fewer
+/// per layer and decoding step). `mask` (`[B, 1, S, T]`, true: masked) replaces the causal one.
+fn grouped_causal_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Option<Tensor<4, Bool>>,
+) -> Tensor<4> {
+    let [b, h, s, d] = q.dims();
+    let [_, h_kv, t, _] = k.dims();
+    let d_v = v.dims()[3];
+    let n_rep = h / h_kv;
+    if n_rep == 1 {
+        return causal_softmax(q, k, 0, mask).matmul(v);
+    }
+    let device = q.device();
+    // Row r·S + i of a group is query head r's position i: the mask of position i, n_rep times.
+    let future = match mask {
+        Some(mask) => mask,
+        None => Tensor::<2, Bool>::tril_mask([s, t], (t - s) as i64, &device).unsqueeze::<4>(),
+    };
+    let [mb, mh, _, _] = future.dims();
+    assert_eq!(mh, 1, "a mask shared by the heads");
+    let future = future
+        .unsqueeze_dim::<5>(1)
+        .expand([mb, n_rep, 1, s, t])
+        .reshape([mb, 1, n_rep * s, t]);
+    let grouped = q.reshape([b, h_kv, n_rep * s, d]);
+    causal_softmax(grouped, k, 0, Some(future))
+        .matmul(v)
+        .reshape([b, h, s, d_v])
 }

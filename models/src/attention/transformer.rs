@@ -54,14 +54,12 @@ impl TransformerAttention {
         }
     }
 
-    /// Q `[B, H, S, d]`, and K (repeated to H heads) and V (repeated) `[B, H, T, d]` of the T
-    /// positions so far: this step's S, after those in `cache`; with the step's padding mask.
+    /// Q `[B, H, S, d]`, and K and V `[B, H_kv, T, d]` of the T positions so far: this step's S,
+    /// after those in `cache`; with the step's padding mask.
     fn qkv(&self, x: Tensor<3>, rope: &RotaryEncoding, cache: Option<&mut LayerCache>) -> StepQkv {
         let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
         let heads = [self.heads, self.kv_heads, self.kv_heads];
-        let ([q, k, v], mask) = step_qkv(x, projections, heads, rope, cache);
-        let n_rep = self.heads / self.kv_heads;
-        ([q, repeat_kv(k, n_rep), repeat_kv(v, n_rep)], mask)
+        step_qkv(x, projections, heads, rope, cache)
     }
 
     /// `x` `[B, S, d_model]` → `[B, S, d_model]`, after the positions in `cache` when there is one.
@@ -82,9 +80,13 @@ impl TransformerAttention {
         rope: &RotaryEncoding,
     ) -> (Tensor<3>, AttentionProbe) {
         let ([q, k, v], _) = self.qkv(x, rope, None);
-        let logits = causal_logits(q, k, self.logit_bits, None);
+        // One map per query head: the keys and values repeated for the GQA groups.
+        let n_rep = self.heads / self.kv_heads;
+        let logits = causal_logits(q, repeat_kv(k, n_rep), self.logit_bits, None);
         let probs = softmax(logits.clone(), 3);
-        let out = self.o_proj.forward(merge_heads(probs.clone().matmul(v)));
+        let out = self
+            .o_proj
+            .forward(merge_heads(probs.clone().matmul(repeat_kv(v, n_rep))));
         let probe = AttentionProbe {
             logits,
             effective: probs.clone(),
