@@ -82,6 +82,35 @@ pub fn run(args: &ConvertArgs) -> Result<()> {
     Ok(())
 }
 
+/// Refuses to start training from a DIFF V2 conversion in `init` (its `convert.json`) under a
+/// warm-up choice other than the one its W_o was written for: converted with `--warmup`, W_o is
+/// the source's and only a warm-up's scale 0 computes the source (at scale 1, half of each
+/// head); converted without, W_o is doubled for λ = ½, and a warm-up's scale 0 doubles every
+/// head. Other runs, and V1 conversions (never exact), pass.
+pub fn check_start(init: &Path, recipe: &Recipe) -> Result<()> {
+    let path = init.join(NOTE);
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(());
+    };
+    let note: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
+    if note["to"].as_str() != Some(AttentionKind::DiffV2.as_str()) {
+        return Ok(());
+    }
+    let converted = note["lambda_warmup"].as_u64();
+    match (converted, recipe.training.warmup_steps()) {
+        (Some(n), None) => bail!(
+            "`training.lambda_warmup` is unset or 0, but `training.init_from` = {:?} is a DIFF V2 conversion made with --warmup {n} (its W_o is the source's): without a warm-up it starts at half of every attention output, not the source; keep a warm-up (any length) or convert again without --warmup",
+            init.display().to_string()
+        ),
+        (None, Some(m)) => bail!(
+            "`training.lambda_warmup` = {m}, but `training.init_from` = {:?} is a DIFF V2 conversion made without --warmup (its W_o is doubled for the subtracted half): at the warm-up's scale 0 it starts at twice every attention output, not the source; drop the warm-up or convert again with --warmup {m}",
+            init.display().to_string()
+        ),
+        _ => Ok(()),
+    }
+}
+
 /// The conversion the arguments ask for; a wrong `--init` or `--noise` names the choices.
 fn options(args: &ConvertArgs) -> Result<Options> {
     let offered = Init::offered(args.to);

@@ -1284,7 +1284,7 @@ fn model_of_init(table: &mut toml::Table) -> Result<Vec<String>> {
         );
     }
     let init_recipe = from_run_file(&path)?;
-    let mut inherited = inherit_unset(table, &init_recipe, Path::new(&init));
+    let mut inherited = inherit_unset(table, &init_recipe, Path::new(&init))?;
     let mut model = toml::Table::try_from(&init_recipe.model).expect("a model section serializes");
     let adjusted = match table.remove("model") {
         Some(toml::Value::Table(own)) => {
@@ -1311,11 +1311,13 @@ fn model_of_init(table: &mut toml::Table) -> Result<Vec<String>> {
 }
 
 /// What a model-less recipe also takes from the run it starts from (`init`, at `dir`), where it
-/// does not set them: that run's tokenizer for the embedded corpus (`data.tokenizer`: the
-/// model's vocabulary is that tokenizer's) and, while that run's weights are inside it, its
-/// warm-up of the negative map (`training.lambda_warmup`: a fresh conversion's; one whose
-/// weights are past it is not started again). Returns the keys taken.
-fn inherit_unset(table: &mut toml::Table, init: &Recipe, dir: &Path) -> Vec<String> {
+/// does not set them: that run's tokenizer for the embedded corpus (`data.tokenizer`, or the
+/// run's own `tokenizer.json` when it trained on shards: the model's vocabulary is that
+/// tokenizer's) and, when that run's weights are at step 0 of a warm-up of the negative map (a
+/// fresh conversion's), that warm-up (`training.lambda_warmup`; weights past it do not start it
+/// again). Weights inside a warm-up are refused: a new run would restart it at scale 0. Returns
+/// the keys taken.
+fn inherit_unset(table: &mut toml::Table, init: &Recipe, dir: &Path) -> Result<Vec<String>> {
     let mut taken = Vec::new();
     // A section that is not a table is left as it is, for deserialising to name.
     let section = |table: &mut toml::Table, name: &str| -> Option<toml::Table> {
@@ -1330,12 +1332,20 @@ fn inherit_unset(table: &mut toml::Table, init: &Recipe, dir: &Path) -> Vec<Stri
             .get("corpus")
             .and_then(toml::Value::as_str)
             .is_some_and(|c| c == diffzoo_datasets::corpus::EMBEDDED);
-        if let (true, false, Some(tokenizer)) = (
-            embedded,
-            data.contains_key("tokenizer"),
-            &init.data.tokenizer,
-        ) {
-            data.insert("tokenizer".into(), tokenizer.clone().into());
+        let own = dir.join(crate::run::TOKENIZER);
+        let tokenizer = match &init.data.tokenizer {
+            Some(tokenizer) => Some(tokenizer.clone()),
+            None => own.is_file().then(|| {
+                std::path::absolute(&own)
+                    .unwrap_or(own)
+                    .display()
+                    .to_string()
+            }),
+        };
+        if let (true, false, Some(tokenizer)) =
+            (embedded, data.contains_key("tokenizer"), tokenizer)
+        {
+            data.insert("tokenizer".into(), tokenizer.into());
             taken.push("`data.tokenizer`".to_string());
             table.insert("data".into(), data.into());
         }
@@ -1343,16 +1353,25 @@ fn inherit_unset(table: &mut toml::Table, init: &Recipe, dir: &Path) -> Vec<Stri
     if let (Some(mut training), Some(n)) =
         (section(table, "training"), init.training.warmup_steps())
     {
-        let inside = crate::run::find_weights(dir)
+        let step = crate::run::find_weights(dir)
             .and_then(|w| crate::run::weights_step(dir, init, &w))
-            .is_ok_and(|step| step < n);
-        if inside && !training.contains_key("lambda_warmup") {
-            training.insert("lambda_warmup".into(), (n as i64).into());
-            taken.push("`training.lambda_warmup`".to_string());
-            table.insert("training".into(), training.into());
+            .ok();
+        match step {
+            _ if training.contains_key("lambda_warmup") => {}
+            Some(0) => {
+                training.insert("lambda_warmup".into(), (n as i64).into());
+                taken.push("`training.lambda_warmup`".to_string());
+                table.insert("training".into(), training.into());
+            }
+            Some(step) if step < n => bail!(
+                "`training.init_from` = {:?}: its weights are at step {step} of their {n}-step λ warm-up (scale {:.3}), and a new run would start its own warm-up at scale 0: train that run on past step {n} first, or set `training.lambda_warmup` yourself (0: scale 1 from the start)",
+                dir.display().to_string(),
+                step as f64 / n as f64
+            ),
+            _ => {}
         }
     }
-    taken
+    Ok(taken)
 }
 
 /// `training.dtype`, the name `training.precision` had before mixed precision, read into it:
@@ -1636,7 +1655,34 @@ mod tests {
             .write(run.path())
             .unwrap();
         assert_eq!(retrofit(&[]).recipe.training.lambda_warmup, None);
+        // Weights part-way through one (step 240 of 300) would restart it at scale 0: refused
+        // unless the recipe sets its own.
+        converted.training.lambda_warmup = Some(300);
+        std::fs::write(run.path().join(crate::run::RECIPE), converted.to_toml()).unwrap();
+        let init = format!("training.init_from={:?}", run.path().display().to_string());
+        let err = format!(
+            "{:#}",
+            resolve("retrofit/finetune", std::slice::from_ref(&init)).unwrap_err()
+        );
+        assert!(
+            err.contains("step 240 of their 300-step λ warm-up (scale 0.800)")
+                && err.contains("`training.lambda_warmup`"),
+            "{err}"
+        );
+        let none = retrofit(&["training.lambda_warmup=0".into()]);
+        assert_eq!(none.recipe.training.warmup_steps(), None);
         std::fs::remove_file(run.path().join(crate::run::FINAL_MODEL)).unwrap();
+        // A run trained on shards (no `data.tokenizer`) lends its own tokenizer.json.
+        let mut sharded = tiny.clone();
+        sharded.data.corpus = "shards".into();
+        sharded.data.tokenizer = None;
+        std::fs::write(run.path().join(crate::run::RECIPE), sharded.to_toml()).unwrap();
+        let own = run.path().join(crate::run::TOKENIZER);
+        std::fs::write(&own, b"{}").unwrap();
+        let r = retrofit(&[]);
+        let want = std::path::absolute(&own).unwrap().display().to_string();
+        assert_eq!(r.recipe.data.tokenizer.as_deref(), Some(want.as_str()));
+        std::fs::remove_file(&own).unwrap();
         std::fs::write(run.path().join(crate::run::RECIPE), tiny.to_toml()).unwrap();
         // A model key given adjusts the inherited model; the rest stays the run's.
         let flash = resolve("sft", &set(&["model.attention_impl=\"flash\""])).unwrap();

@@ -387,14 +387,16 @@ pub fn weights_step(run: &Path, recipe: &Recipe, weights: &Weights) -> Result<us
         Weights::Checkpoint(c, _) => c.step,
         Weights::Final(file) => {
             let inode = |path: &Path| std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()));
-            let linked = verified_checkpoints(run).into_iter().rev().find(|c| {
-                let part = run
-                    .join(CHECKPOINTS)
-                    .join(checkpoint::part_name("model", c.number));
+            // The checkpoint whose model file it is, verified alone (not every checkpoint's
+            // bytes hashed to find it).
+            let dir = run.join(CHECKPOINTS);
+            let linked = checkpoint::numbers(&dir).into_iter().rev().find(|&number| {
+                let part = dir.join(checkpoint::part_name("model", number));
                 inode(&part).is_some() && inode(&part) == inode(file)
             });
+            let linked = linked.and_then(|number| checkpoint::verify(&dir, number).ok());
             match (linked, RunEnd::read(run)) {
-                (Some(c), _) => c.step,
+                (Some(step), _) => step,
                 (None, Some(end)) if end.state == "finished" => recipe.total_steps(),
                 (None, _) => 0,
             }

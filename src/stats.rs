@@ -8,6 +8,10 @@
 //! mean only about 70% of the time (its resamples take at most 10 values); the t interval covers
 //! it at the nominal 95% for normal draws (both tested by simulation). One value has no interval:
 //! none is reported rather than a fake one.
+//!
+//! A share of items (accuracy, the share judged supported) is a binomial proportion: its interval
+//! is Wilson's score interval, which stays inside [0, 1] and is not a point at 0 or n successes
+//! (a t interval of 0/1 outcomes is both).
 
 use serde::Serialize;
 
@@ -83,6 +87,26 @@ pub fn estimate(xs: &[f64]) -> Estimate {
         mean,
         sd: Some(var.sqrt()),
         ci95: Some([mean - half, mean + half]),
+    }
+}
+
+/// The share of `outcomes` that are true (at least one) with Wilson's 95% score interval:
+/// `(p̂ + z²/2n ± z·√(p̂(1−p̂)/n + z²/4n²)) / (1 + z²/n)`, z the normal 0.975 quantile.
+pub fn proportion(outcomes: &[bool]) -> Estimate {
+    const Z: f64 = 1.959_963_984_540_054;
+    let n = outcomes.len();
+    assert!(n > 0, "a share of no items");
+    let k = outcomes.iter().filter(|&&o| o).count();
+    let (nf, p) = (n as f64, k as f64 / n as f64);
+    let z2 = Z * Z;
+    let centre = (p + z2 / (2.0 * nf)) / (1.0 + z2 / nf);
+    let half = Z * (p * (1.0 - p) / nf + z2 / (4.0 * nf * nf)).sqrt() / (1.0 + z2 / nf);
+    let sd = (n > 1).then(|| (p * (1.0 - p) * nf / (nf - 1.0)).sqrt());
+    Estimate {
+        n,
+        mean: p,
+        sd,
+        ci95: Some([(centre - half).max(0.0), (centre + half).min(1.0)]),
     }
 }
 
@@ -227,6 +251,28 @@ mod tests {
         let u = (rng.below(1 << 53) as f64 + 0.5) / (1u64 << 53) as f64;
         let v = rng.below(1 << 53) as f64 / (1u64 << 53) as f64;
         (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
+    }
+
+    #[test]
+    fn a_share_has_wilson_interval_inside_zero_and_one() {
+        // 19 of 20 and 20 of 20: Wilson's tabulated 0.7639–0.9911 and 0.8389–1.
+        let share = |k: usize, n: usize| proportion(&(0..n).map(|i| i < k).collect::<Vec<_>>());
+        let e = share(19, 20);
+        let [lo, hi] = e.ci95.unwrap();
+        assert_eq!(e.mean, 0.95);
+        assert!(
+            (lo - 0.7639).abs() < 1e-4 && (hi - 0.9911).abs() < 1e-4,
+            "{lo} {hi}"
+        );
+        let [lo, hi] = share(20, 20).ci95.unwrap();
+        assert!((lo - 0.8389).abs() < 1e-4 && hi == 1.0, "{lo} {hi}");
+        let [lo, hi] = share(0, 20).ci95.unwrap();
+        assert!(lo == 0.0 && (hi - 0.1611).abs() < 1e-4, "{lo} {hi}");
+        // One item still has an interval (not a point), and the sample sd of 0/1 outcomes.
+        let [lo, hi] = share(1, 1).ci95.unwrap();
+        assert!(lo > 0.0 && lo < 0.25 && hi == 1.0);
+        let sd = share(1, 2).sd.unwrap();
+        assert!((sd - estimate(&[1.0, 0.0]).sd.unwrap()).abs() < 1e-12);
     }
 
     #[test]

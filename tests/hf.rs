@@ -1362,8 +1362,30 @@ fn imported_transformers_convert_to_diff_v2_exactly_and_to_v1_paired() {
         );
     }
 
-    let run = tmp.path().join("llama_gqa");
+    // Fine-tuning a V2 conversion keeps the warm-up its W_o was written for.
     let out = tmp.path().join("refused");
+    for (label, set, says) in [
+        ("warm", "training.lambda_warmup=0", "made with --warmup 5"),
+        ("copy", "training.lambda_warmup=3", "made without --warmup"),
+    ] {
+        let converted = tmp.path().join(format!("llama3_tied-v2-{label}"));
+        let err = fails(&[
+            "train",
+            "--recipe",
+            path(&converted.join("recipe.toml")),
+            "--no-dashboard",
+            "--set",
+            set,
+            "--out",
+            path(&out),
+        ]);
+        assert!(
+            err.contains(says) && err.contains("`training.lambda_warmup`"),
+            "{err}"
+        );
+        assert_nothing_written(&out);
+    }
+    let run = tmp.path().join("llama_gqa");
     for (args, says) in [
         (vec!["--to", "diff", "--init", "copy"], "choose paired"),
         (

@@ -149,8 +149,10 @@ fn in_context_accuracy_rises_with_demonstrations() {
         best > acc[0].1.max(0.25) + 0.15,
         "accuracy by shots: {acc:?} (chance 0.25)"
     );
+    // A share's interval (Wilson's over the 200 items): inside [0, 1], about ±0.07 wide.
     let [lo, hi] = [0, 1].map(|i| result["scores"][4]["ci95"][i].as_f64().unwrap());
-    assert!(lo <= acc[4].1 && acc[4].1 <= hi);
+    assert!(0.0 <= lo && lo < acc[4].1 && acc[4].1 < hi && hi <= 1.0);
+    assert!(hi - lo < 0.16, "{lo} to {hi}");
 
     // Orders: reproduced by a seed, changed by another.
     let orders = |seed: &str, arrangement: &str| {
@@ -343,6 +345,12 @@ fn hallucination_shares_are_what_the_judge_says() {
     let references = "cmd:python3 -u -c 'import json, sys\nfor l in sys.stdin:\n    q = json.loads(l)\n    print(json.dumps({\"supported\": q[\"reference\"] in q[\"source\"]}), flush=True)'";
     let result = hallucination(&hand, references).unwrap();
     assert_eq!(result["free_of_hallucination"], 0.75);
+    // Wilson's interval of 3 of 4 (the tables' 0.3006 to 0.9544).
+    let [lo, hi] = [0, 1].map(|i| result["ci95"][i].as_f64().unwrap());
+    assert!(
+        (lo - 0.3006).abs() < 1e-4 && (hi - 0.9544).abs() < 1e-4,
+        "{lo} {hi}"
+    );
     let verdicts: Vec<bool> = result["items"]
         .as_array()
         .unwrap()

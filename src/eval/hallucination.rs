@@ -21,7 +21,7 @@
 //!   is the likelier of ` True` and ` False` (a judge's free-form explanation, which GPT-4o writes
 //!   first in the protocol, is not generated: a small local judge answers the conclusion alone).
 //!
-//! The share comes with its 95% interval over the items; `--json` holds every item's output and
+//! The share comes with its 95% interval over the items (Wilson's); `--json` holds every item's output and
 //! verdict.
 
 use super::choice::log_likelihoods;
@@ -228,7 +228,14 @@ impl JudgeSpec {
         if !dir.join(run::RECIPE).is_file() {
             bail!("--judge {text}: neither `cmd:PROGRAM` nor a run directory");
         }
-        Ok(Self::Run(dir))
+        // Checked before any output is generated, not after.
+        match Template::find(&dir) {
+            Ok(_) => Ok(Self::Run(dir)),
+            Err(NoTemplate::Missing(_)) => bail!(
+                "--judge {text}: no chat template (an instruct model's run judges, e.g. one `import hf` brought with its template)"
+            ),
+            Err(NoTemplate::Invalid(e)) => Err(e.context(format!("--judge {text}"))),
+        }
     }
 }
 
@@ -258,11 +265,8 @@ fn measure(
             run_verdicts(judge_dir, &args.kind, tasks, &outputs, &device)?,
         ),
     };
-    let supported: Vec<f64> = verdicts
-        .iter()
-        .map(|(s, _)| f64::from(u8::from(*s)))
-        .collect();
-    let estimate: Estimate = stats::estimate(&supported);
+    let supported: Vec<bool> = verdicts.iter().map(|(s, _)| *s).collect();
+    let estimate: Estimate = stats::proportion(&supported);
     let items: Vec<Judged> = tasks
         .iter()
         .zip(outputs)
@@ -462,12 +466,6 @@ fn run_verdicts(
     device: &Device,
 ) -> Result<Vec<(bool, Option<[f64; 2]>)>> {
     let judge = Generator::open(dir, device)?;
-    if judge.template.is_none() {
-        bail!(
-            "--judge {}: no chat template (an instruct model's run judges, e.g. one `import hf` brought with its template)",
-            dir.display()
-        );
-    }
     let answers: Vec<Vec<u32>> = [" True", " False"]
         .iter()
         .map(|a| judge.tokenizer.encode(a))

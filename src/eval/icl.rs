@@ -22,7 +22,8 @@
 //! permutations (`--arrangement random`), or arranged alternately by class (`alternate`: the
 //! labels in a seeded order, one demonstration of each in turn, each label's own in a seeded
 //! order); reported as the mean, best and worst accuracy and their spread. Accuracy comes with
-//! its 95% interval over the test items (and, over K orders, over the orders).
+//! its 95% interval over the test items (Wilson's, a share) or, over K orders, a t interval over
+//! the orders.
 
 use super::choice::continue_scores;
 use super::seeds::{self, Measurement, Metric};
@@ -271,14 +272,44 @@ struct Setup<'a> {
 
 /// The tokenized material of one run's measurement.
 struct Tokens {
-    /// Each demonstration, rendered whole.
-    demos: Vec<Vec<u32>>,
-    /// Each test item's prefix (whitespace ending it left to the labels).
-    prefixes: Vec<Vec<u32>>,
-    /// `labels[j][l]`: label l's tokens after item j's prefix.
-    labels: Vec<Vec<Vec<u32>>>,
+    /// Each demonstration: first in a prompt (`[0]`), and after another (`[1]`, the whitespace
+    /// between demonstrations in front).
+    demos: Vec<[Vec<u32>; 2]>,
+    /// Each test item: with no demonstration before it (`[0]`), and after them (`[1]`).
+    items: Vec<[ItemTokens; 2]>,
     /// The index of each test item's label.
     gold: Vec<usize>,
+}
+
+/// A test item's prompt (whitespace ending it left to the labels) and each label's tokens after
+/// it.
+struct ItemTokens {
+    prefix: Vec<u32>,
+    labels: Vec<Vec<u32>>,
+}
+
+impl Tokens {
+    /// The demonstrations `arranged`, in their order.
+    fn demos(&self, arranged: &[usize]) -> Vec<u32> {
+        arranged
+            .iter()
+            .enumerate()
+            .flat_map(|(p, &d)| self.demos[d][usize::from(p > 0)].iter().copied())
+            .collect()
+    }
+
+    /// The test items after `shots` demonstrations.
+    fn items(&self, shots: usize) -> impl Iterator<Item = &ItemTokens> {
+        self.items.iter().map(move |i| &i[usize::from(shots > 0)])
+    }
+
+    /// The most tokens the demonstrations `chosen` take in any order.
+    fn longest_demos(&self, chosen: &[usize]) -> usize {
+        chosen
+            .iter()
+            .map(|&d| self.demos[d].iter().map(Vec::len).max().unwrap_or(0))
+            .sum()
+    }
 }
 
 impl Setup<'_> {
@@ -307,11 +338,7 @@ impl Setup<'_> {
             let estimate: Estimate = if orders.len() > 1 {
                 stats::estimate(&orders)
             } else {
-                let outcomes: Vec<f64> = first_outcomes
-                    .iter()
-                    .map(|&c| f64::from(u8::from(c)))
-                    .collect();
-                stats::estimate(&outcomes)
+                stats::proportion(&first_outcomes)
             };
             let best = orders.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let worst = orders.iter().copied().fold(f64::INFINITY, f64::min);
@@ -337,49 +364,48 @@ impl Setup<'_> {
         })
     }
 
+    /// Each piece of a prompt (a demonstration, an item, a label) is encoded on its own, the
+    /// whitespace between pieces in front of the piece after it (as the label's is): a
+    /// pre-tokenizer splits a run of whitespace by what follows it, so `…\n\nInput` gives the
+    /// tokens the joined text gives, where a demonstration encoded with its `\n\n` would end in
+    /// a token of document ends.
     fn tokenize(&self, tokenizer: &TextTokenizer) -> Result<Tokens> {
-        let render =
-            |e: &Example| diffzoo_datasets::icl::render(&self.args.template, &e.text, &e.label);
-        let demos = self
+        let rendered: Vec<String> = self
             .demos
             .iter()
-            .map(|e| tokenizer.encode(&render(e)))
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut prefixes = Vec::with_capacity(self.tests.len());
-        let mut labels = Vec::with_capacity(self.tests.len());
-        for (j, item) in self.tests.iter().enumerate() {
-            let raw = diffzoo_datasets::fill(self.prefix_template, &[("text", &item.text)]);
-            // Whitespace ending the prefix belongs to the label (as `eval choice` scores).
-            let prefix = raw.trim_end();
-            let moved = &raw[prefix.len()..];
-            let ids = tokenizer.encode(prefix)?;
-            if ids.is_empty() {
-                bail!(
-                    "{}: item {}: its prompt encodes to no token",
-                    self.args.test.display(),
-                    j + 1
-                );
-            }
-            let known = ids.len();
-            let each = self
-                .labels
-                .iter()
-                .map(|label| {
-                    let whole = tokenizer.encode(&format!("{prefix}{moved}{label}"))?;
-                    let ids = whole.get(known..).unwrap_or_default().to_vec();
-                    if ids.is_empty() {
-                        bail!(
-                            "{}: item {}: the label {label:?} adds no token to its prompt",
-                            self.args.test.display(),
-                            j + 1
-                        );
-                    }
-                    Ok(ids)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            prefixes.push(ids);
-            labels.push(each);
-        }
+            .map(|e| diffzoo_datasets::icl::render(&self.args.template, &e.text, &e.label))
+            .collect();
+        // The whitespace ending every demonstration (the template's), moved to the next piece;
+        // demonstrations ending differently keep theirs.
+        let trailing = |r: &str| r[r.trim_end().len()..].to_string();
+        let lead = rendered.first().map_or(String::new(), |r| trailing(r));
+        let lead = match rendered.iter().all(|r| trailing(r) == lead) {
+            true => lead,
+            false => String::new(),
+        };
+        let demos = rendered
+            .iter()
+            .map(|r| {
+                let body = &r[..r.len() - lead.len()];
+                Ok([
+                    tokenizer.encode(body)?,
+                    tokenizer.encode(&format!("{lead}{body}"))?,
+                ])
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let items = self
+            .tests
+            .iter()
+            .enumerate()
+            .map(|(j, item)| {
+                let at = || format!("{}: item {}", self.args.test.display(), j + 1);
+                let raw = diffzoo_datasets::fill(self.prefix_template, &[("text", &item.text)]);
+                Ok([
+                    self.item_tokens(tokenizer, "", &raw, &at)?,
+                    self.item_tokens(tokenizer, &lead, &raw, &at)?,
+                ])
+            })
+            .collect::<Result<Vec<_>>>()?;
         let gold = self
             .tests
             .iter()
@@ -390,11 +416,39 @@ impl Setup<'_> {
                     .expect("in the set")
             })
             .collect();
-        Ok(Tokens {
-            demos,
-            prefixes,
+        Ok(Tokens { demos, items, gold })
+    }
+
+    /// An item's prompt `raw` after `lead` and each label after it. Whitespace ending the prompt
+    /// belongs to the label (as `eval choice` scores).
+    fn item_tokens(
+        &self,
+        tokenizer: &TextTokenizer,
+        lead: &str,
+        raw: &str,
+        at: &dyn Fn() -> String,
+    ) -> Result<ItemTokens> {
+        let prefix = format!("{lead}{}", raw.trim_end());
+        let moved = &raw[raw.trim_end().len()..];
+        let ids = tokenizer.encode(&prefix)?;
+        if ids.is_empty() {
+            bail!("{}: its prompt encodes to no token", at());
+        }
+        let labels = self
+            .labels
+            .iter()
+            .map(|label| {
+                let whole = tokenizer.encode(&format!("{prefix}{moved}{label}"))?;
+                let ids = whole.get(ids.len()..).unwrap_or_default().to_vec();
+                if ids.is_empty() {
+                    bail!("{}: the label {label:?} adds no token to its prompt", at());
+                }
+                Ok(ids)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ItemTokens {
+            prefix: ids,
             labels,
-            gold,
         })
     }
 
@@ -504,46 +558,44 @@ fn label_scores(
     tokens: &Tokens,
     arranged: &[usize],
 ) -> Vec<Vec<f64>> {
-    let demos: Vec<u32> = arranged
-        .iter()
-        .flat_map(|&d| tokens.demos[d].iter().copied())
-        .collect();
+    let demos = tokens.demos(arranged);
     let mut cache = model.cache();
     if !demos.is_empty() {
         model.forward_cached(id_tensor(&demos, device), &mut cache);
     }
     tokens
-        .prefixes
-        .iter()
-        .zip(&tokens.labels)
-        .map(|(prefix, labels)| {
+        .items(arranged.len())
+        .map(|item| {
+            let prefix = &item.prefix;
             let logits = model.forward_cached(id_tensor(prefix, device), &mut cache);
             let last = logits.narrow(1, prefix.len() - 1, 1);
-            let scores = continue_scores(model, &mut cache, last, labels, device);
+            let scores = continue_scores(model, &mut cache, last, &item.labels, device);
             cache.truncate(demos.len());
             scores
         })
         .collect()
 }
 
-/// The most tokens fed for one test item after the demonstrations `chosen`: theirs, the item's
-/// prefix and its longest label but the last token (which predicts nothing scored).
+/// The most tokens fed for one test item after the demonstrations `chosen` (in any order):
+/// theirs, the item's prefix and its longest label but the last token (which predicts nothing
+/// scored).
 fn longest_fed(tokens: &Tokens, chosen: &[usize]) -> usize {
-    let demos: usize = chosen.iter().map(|&d| tokens.demos[d].len()).sum();
     let item = tokens
-        .prefixes
-        .iter()
-        .zip(&tokens.labels)
-        .map(|(p, ls)| p.len() + ls.iter().map(Vec::len).max().unwrap_or(1) - 1)
+        .items(chosen.len())
+        .map(|i| i.prefix.len() + i.labels.iter().map(Vec::len).max().unwrap_or(1) - 1)
         .max()
         .unwrap_or(0);
-    demos + item
+    tokens.longest_demos(chosen) + item
 }
 
 /// The longest prompt: the demonstrations `chosen` and the longest item prefix.
 fn prompt_tokens(tokens: &Tokens, chosen: &[usize]) -> usize {
-    chosen.iter().map(|&d| tokens.demos[d].len()).sum::<usize>()
-        + tokens.prefixes.iter().map(Vec::len).max().unwrap_or(0)
+    tokens.longest_demos(chosen)
+        + tokens
+            .items(chosen.len())
+            .map(|i| i.prefix.len())
+            .max()
+            .unwrap_or(0)
 }
 
 /// `0..n` in the order seed `seed` gives.
@@ -616,21 +668,35 @@ mod tests {
             let ids = |seed: u32, n: usize| -> Vec<u32> {
                 (0..n as u32).map(|i| (seed * 31 + i * 17) % 64).collect()
             };
+            // Each piece with and without its lead (one token more).
+            let piece = |seed: u32, n: usize| [ids(seed, n), ids(seed + 40, n + 1)];
+            let item = |seed: u32, n: usize, labels: &[(u32, usize)]| {
+                [0, 40].map(|lead| ItemTokens {
+                    prefix: ids(seed + lead, n),
+                    labels: labels.iter().map(|&(s, m)| ids(s + lead, m)).collect(),
+                })
+            };
             let tokens = Tokens {
-                demos: vec![ids(1, 7), ids(2, 5), ids(3, 9)],
-                prefixes: vec![ids(4, 4), ids(5, 6)],
-                labels: vec![vec![ids(6, 1), ids(7, 3)], vec![ids(8, 2), ids(9, 1)]],
+                demos: vec![piece(1, 7), piece(2, 5), piece(3, 9)],
+                items: vec![item(4, 4, &[(6, 1), (7, 3)]), item(5, 6, &[(8, 2), (9, 1)])],
                 gold: vec![0, 1],
             };
             let arranged = [2, 0, 1];
             let cached = label_scores(&model, &device, &tokens, &arranged);
+            let demos = tokens.demos(&arranged);
+            assert_eq!(
+                demos.len(),
+                9 + 8 + 6,
+                "the first alone, the others with their lead"
+            );
             for (j, scores) in cached.iter().enumerate() {
                 for (l, &score) in scores.iter().enumerate() {
-                    let label = &tokens.labels[j][l];
-                    let all: Vec<u32> = arranged
+                    let item = &tokens.items[j][1];
+                    let label = &item.labels[l];
+                    let all: Vec<u32> = demos
                         .iter()
-                        .flat_map(|&d| tokens.demos[d].clone())
-                        .chain(tokens.prefixes[j].clone())
+                        .copied()
+                        .chain(item.prefix.clone())
                         .chain(label.clone())
                         .collect();
                     let alone =
@@ -641,6 +707,89 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// With the default template (demonstrations ending in a blank line) a byte-level BPE trained
+    /// on episodes learns a token for the blank line that ends a document; pieces encoded with
+    /// the whitespace in front give the joined prompt's tokens, which that token is not in.
+    #[test]
+    fn pieces_encode_as_the_joined_prompt_does() {
+        let examples: Vec<Example> = ["red", "blue", "green", "red", "blue"]
+            .iter()
+            .enumerate()
+            .map(|(i, l)| Example {
+                text: format!("item number {i}"),
+                label: l.to_string(),
+            })
+            .collect();
+        let template = diffzoo_datasets::icl::TEMPLATE;
+        let render = |e: &Example| diffzoo_datasets::icl::render(template, &e.text, &e.label);
+        let episodes: Vec<String> = (0..200)
+            .map(|i| render(&examples[i % 5]) + &render(&examples[(i + 2) % 5]))
+            .collect();
+        let tokenizer = TextTokenizer::train_bpe(episodes.iter().map(String::as_str), 300).unwrap();
+        let blank = tokenizer.encode("\n\n").unwrap();
+        assert_eq!(
+            blank.len(),
+            1,
+            "a token for the blank line ending a document"
+        );
+
+        let (demos, tests) = (&examples[..3], &examples[3..]);
+        let labels = label_set(demos, tests).unwrap();
+        let args = test_args(template);
+        let (prefix_template, _) = split_template(template).unwrap();
+        let setup = Setup {
+            args: &args,
+            arrangement: Arrangement::Random,
+            prefix_template,
+            demos,
+            tests,
+            labels: &labels,
+        };
+        let tokens = setup.tokenize(&tokenizer).unwrap();
+        let arranged = [2, 0, 1];
+        let joined: String = arranged.iter().map(|&d| render(&demos[d])).collect();
+        for (j, item) in tests.iter().enumerate() {
+            let prompt = joined.clone() + prefix_template.replace("{text}", &item.text).trim_end();
+            let ours: Vec<u32> = tokens
+                .demos(&arranged)
+                .into_iter()
+                .chain(tokens.items[j][1].prefix.clone())
+                .collect();
+            let whole = tokenizer.encode(&prompt).unwrap();
+            assert_eq!(ours, whole, "item {j}");
+            assert!(!whole.contains(&blank[0]));
+            // Each label continues that prompt as the whole text does.
+            for (l, label) in labels.iter().enumerate() {
+                let with = tokenizer.encode(&format!("{prompt} {label}")).unwrap();
+                assert_eq!(tokens.items[j][1].labels[l], with[whole.len()..], "{label}");
+            }
+        }
+        // Without demonstrations the item has no lead.
+        let alone = prefix_template.replace("{text}", &tests[0].text);
+        assert_eq!(
+            tokens.items[0][0].prefix,
+            tokenizer.encode(alone.trim_end()).unwrap()
+        );
+    }
+
+    fn test_args(template: &str) -> IclArgs {
+        IclArgs {
+            common: Common {
+                run: PathBuf::new(),
+                device: "cpu".into(),
+                json: false,
+            },
+            data: PathBuf::new(),
+            test: PathBuf::new(),
+            shots: "auto".into(),
+            orders: 1,
+            arrangement: "alternate".into(),
+            template: template.into(),
+            seed: 5,
+            limit: None,
         }
     }
 
@@ -655,21 +804,7 @@ mod tests {
             })
             .collect();
         let labels = label_set(&demos, &[]).unwrap();
-        let args = IclArgs {
-            common: Common {
-                run: PathBuf::new(),
-                device: "cpu".into(),
-                json: false,
-            },
-            data: PathBuf::new(),
-            test: PathBuf::new(),
-            shots: "auto".into(),
-            orders: 1,
-            arrangement: "alternate".into(),
-            template: diffzoo_datasets::icl::TEMPLATE.into(),
-            seed: 5,
-            limit: None,
-        };
+        let args = test_args(diffzoo_datasets::icl::TEMPLATE);
         let setup = Setup {
             args: &args,
             arrangement: Arrangement::Alternate,

@@ -230,7 +230,7 @@ pub fn remove_temporaries(dir: &Path) {
 }
 
 /// Checkpoint numbers with any file (part or manifest) in `dir`, ascending.
-fn numbers(dir: &Path) -> Vec<usize> {
+pub fn numbers(dir: &Path) -> Vec<usize> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
@@ -250,7 +250,7 @@ fn numbers(dir: &Path) -> Vec<usize> {
 }
 
 /// The steps checkpoint `number` holds, if its manifest is present and every file matches it.
-fn verify(dir: &Path, number: usize) -> Result<usize, String> {
+pub fn verify(dir: &Path, number: usize) -> Result<usize, String> {
     let path = dir.join(manifest_name(number));
     let text = std::fs::read_to_string(&path).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => format!(

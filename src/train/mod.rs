@@ -553,6 +553,10 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
     for note in &resolved.notes {
         say!("{}: {note}", resolved.source);
     }
+    if let (Some(init), false) = (&recipe.training.init_from, args.resume) {
+        crate::convert::check_start(Path::new(init), recipe)
+            .with_context(|| format!("`training.init_from` of {}", resolved.source))?;
+    }
     let (specs, devices, shares) = training_devices(args, &resolved)?;
     let (ranks, spec, device) = (specs.len(), specs.join(","), devices[0].clone());
     let dir = args
