@@ -155,26 +155,7 @@ fn measure(
 /// Reads the questions of one file (the first `limit`); a malformed line is refused with the
 /// file and line named.
 pub fn read_questions(file: &Path, limit: Option<usize>) -> Result<Vec<Question>> {
-    let text =
-        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-    let mut questions = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        if limit.is_some_and(|l| questions.len() >= l) {
-            break;
-        }
-        let question = serde_json::from_str::<Value>(line)
-            .map_err(|e| anyhow!("{e}"))
-            .and_then(|v| parse_question(&v))
-            .map_err(|e| anyhow!("{}:{}: {e}", file.display(), n + 1))?;
-        questions.push(question);
-    }
-    if questions.is_empty() {
-        bail!("{}: no questions", file.display());
-    }
-    Ok(questions)
+    super::read_jsonl(file, limit, "questions", |line, _| parse_question(line))
 }
 
 /// One line, in our shape or the harness's.

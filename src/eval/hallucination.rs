@@ -154,31 +154,12 @@ pub fn run(args: &HallucinationArgs) -> Result<()> {
 
 /// The tasks of `file` (the first `limit`), each malformed line named by file and line.
 pub fn read_tasks(file: &Path, limit: Option<usize>) -> Result<Vec<Task>> {
-    if limit == Some(0) {
-        bail!("--limit 0: expected at least one item");
-    }
-    let text =
-        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-    let mut tasks = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        if limit.is_some_and(|l| tasks.len() >= l) {
-            break;
-        }
-        let at = format!("{}:{}", file.display(), n + 1);
-        let task = parse_task(line, at.clone()).map_err(|e| anyhow!("{at}: {e}"))?;
-        tasks.push(task);
-    }
-    if tasks.is_empty() {
-        bail!("{}: no items", file.display());
-    }
-    Ok(tasks)
+    super::read_jsonl(file, limit, "items", |line, at| {
+        parse_task(line, at.to_string())
+    })
 }
 
-fn parse_task(line: &str, at: String) -> Result<Task> {
-    let value: Value = serde_json::from_str(line).map_err(|e| anyhow!("{e}"))?;
+fn parse_task(value: &Value, at: String) -> Result<Task> {
     let text = |key: &str, required: bool| -> Result<Option<String>> {
         match value.get(key) {
             Some(Value::String(s)) => Ok(Some(s.clone())),

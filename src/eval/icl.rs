@@ -30,7 +30,7 @@ use super::seeds::{self, Measurement, Metric};
 use super::{Common, emit, id_tensor};
 use crate::stats::{self, Estimate};
 use crate::{device, run};
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Result, anyhow, bail};
 use burn::tensor::Device;
 use diffzoo_datasets::{Rng, TextTokenizer};
 use diffzoo_models::Model;
@@ -203,31 +203,10 @@ pub fn split_template(template: &str) -> Result<(&str, &str)> {
 
 /// The lines of `file` (the first `limit`); a malformed one named by file and line.
 pub fn read_examples(file: &Path, limit: Option<usize>) -> Result<Vec<Example>> {
-    if limit == Some(0) {
-        bail!("--limit 0: expected at least one test item");
-    }
-    let text =
-        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-    let mut out = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        if limit.is_some_and(|l| out.len() >= l) {
-            break;
-        }
-        let example =
-            parse_example(line).map_err(|e| anyhow!("{}:{}: {e}", file.display(), n + 1))?;
-        out.push(example);
-    }
-    if out.is_empty() {
-        bail!("{}: no examples", file.display());
-    }
-    Ok(out)
+    super::read_jsonl(file, limit, "examples", |line, _| parse_example(line))
 }
 
-fn parse_example(line: &str) -> Result<Example> {
-    let value: Value = serde_json::from_str(line).map_err(|e| anyhow!("{e}"))?;
+fn parse_example(value: &Value) -> Result<Example> {
     let field = |key: &str| -> Result<String> {
         match value.get(key) {
             Some(Value::String(s)) if !s.trim().is_empty() => Ok(s.clone()),

@@ -33,7 +33,7 @@ pub mod recall;
 pub mod seeds;
 
 use crate::{device, recipe::Recipe, run};
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use burn::data::dataloader::batcher::Batcher;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use diffzoo_datasets::{LmBatcher, Rng, Shards, Split, TextTokenizer, TokenStream, TokenWindows};
@@ -248,6 +248,38 @@ pub fn emit<T: Serialize>(json: bool, result: &T, text: impl FnOnce(&T)) -> Resu
         text(result);
     }
     Ok(())
+}
+
+/// The JSON lines of `file` (blank lines skipped; the first `limit`, which is not 0), each read
+/// by `parse` with its place `FILE:LINE`; a malformed line is refused naming that place, a file
+/// of none (`items` says of what) naming the file.
+pub fn read_jsonl<T>(
+    file: &Path,
+    limit: Option<usize>,
+    items: &str,
+    parse: impl Fn(&serde_json::Value, &str) -> Result<T>,
+) -> Result<Vec<T>> {
+    if limit == Some(0) {
+        bail!("--limit 0: expected at least one of the {items}");
+    }
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        if limit.is_some_and(|l| out.len() >= l) {
+            break;
+        }
+        let at = format!("{}:{}", file.display(), n + 1);
+        let value = serde_json::from_str(line).map_err(|e| anyhow!("{at}: {e}"))?;
+        out.push(parse(&value, &at).map_err(|e| anyhow!("{at}: {e}"))?);
+    }
+    if out.is_empty() {
+        bail!("{}: no {items}", file.display());
+    }
+    Ok(out)
 }
 
 /// A comma-separated list argument (an alias, so that clap parses it as one value).
