@@ -149,10 +149,19 @@ fn in_context_accuracy_rises_with_demonstrations() {
         best > acc[0].1.max(0.25) + 0.15,
         "accuracy by shots: {acc:?} (chance 0.25)"
     );
-    // A share's interval (Wilson's over the 200 items): inside [0, 1], about ±0.07 wide.
+    // A share's interval: Wilson's over the 120 items, from the count right.
     let [lo, hi] = [0, 1].map(|i| result["scores"][4]["ci95"][i].as_f64().unwrap());
-    assert!(0.0 <= lo && lo < acc[4].1 && acc[4].1 < hi && hi <= 1.0);
-    assert!(hi - lo < 0.16, "{lo} to {hi}");
+    let (n, p) = (120.0, acc[4].1);
+    assert!((p * n - (p * n).round()).abs() < 1e-9, "{p} of {n} items");
+    let z2 = 1.959_963_984_540_054_f64.powi(2);
+    let centre = (p + z2 / (2.0 * n)) / (1.0 + z2 / n);
+    let half = (z2 * (p * (1.0 - p) / n + z2 / (4.0 * n * n))).sqrt() / (1.0 + z2 / n);
+    let wilson = [(centre - half).max(0.0), (centre + half).min(1.0)];
+    assert!(
+        (lo - wilson[0]).abs() < 1e-12 && (hi - wilson[1]).abs() < 1e-12,
+        "{lo} to {hi}, Wilson's {wilson:?}"
+    );
+    assert!(lo <= p && p <= hi && lo < hi);
 
     // Orders: reproduced by a seed, changed by another.
     let orders = |seed: &str, arrangement: &str| {

@@ -282,12 +282,15 @@ impl Tokens {
         self.items.iter().map(move |i| &i[usize::from(shots > 0)])
     }
 
-    /// The most tokens the demonstrations `chosen` take in any order.
+    /// The most tokens the demonstrations `chosen` take in any order: one of them opens the
+    /// prompt (without a lead), each other one follows another.
     fn longest_demos(&self, chosen: &[usize]) -> usize {
+        let following: usize = chosen.iter().map(|&d| self.demos[d][1].len()).sum();
         chosen
             .iter()
-            .map(|&d| self.demos[d].iter().map(Vec::len).max().unwrap_or(0))
-            .sum()
+            .map(|&d| following - self.demos[d][1].len() + self.demos[d][0].len())
+            .max()
+            .unwrap_or(0)
     }
 }
 
@@ -746,6 +749,18 @@ mod tests {
                 assert_eq!(tokens.items[j][1].labels[l], with[whole.len()..], "{label}");
             }
         }
+        // The longest order is counted exactly (the opening demonstration has no lead).
+        let orders = [
+            [0, 1, 2],
+            [0, 2, 1],
+            [1, 0, 2],
+            [1, 2, 0],
+            [2, 0, 1],
+            [2, 1, 0],
+        ];
+        let longest = orders.map(|o| tokens.demos(&o).len()).into_iter().max();
+        assert_eq!(Some(tokens.longest_demos(&[0, 1, 2])), longest);
+        assert_eq!(tokens.longest_demos(&[]), 0);
         // Without demonstrations the item has no lead.
         let alone = prefix_template.replace("{text}", &tests[0].text);
         assert_eq!(
