@@ -652,10 +652,9 @@ impl<'a> Decoder<'a> {
         let ids: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
         let n = ids.len() / rows;
         let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [rows, n]), self.device);
-        let logits = self.model.forward_cached(input, &mut self.cache);
+        let logits = self.model.forward_cached_last(input, &mut self.cache);
         let v = logits.dims()[2];
         let last = logits
-            .narrow(1, n - 1, 1)
             .reshape([rows * v])
             .into_data()
             .convert::<f32>()

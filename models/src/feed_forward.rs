@@ -2,6 +2,7 @@
 
 use crate::attention::projection;
 use crate::config::ModelConfig;
+use crate::rows;
 use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::activation::silu;
@@ -28,7 +29,7 @@ impl SwiGlu {
     }
 
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.w2
-            .forward(silu(self.w_g.forward(x.clone())) * self.w1.forward(x))
+        let gate = silu(rows::linear(&self.w_g, x.clone()));
+        rows::linear(&self.w2, gate * rows::linear(&self.w1, x))
     }
 }

@@ -13,6 +13,7 @@
 //! | DIFF V2 | [`attention::DiffV2Attention`] |
 //! | parameter counts, FLOPs, KV cache size | [`budget`] |
 //! | incremental decoding (KV cache) | [`cache`] |
+//! | decoding's few-row products, split across threads | [`rows`] |
 //! | per-block activation recomputation | [`recompute`] |
 //! | a pretrained baseline converted to DIFF V1 or V2 | [`convert`] |
 //! | mixed precision's bf16 compute copy of f32 masters | [`precision`] |
@@ -34,6 +35,7 @@ pub mod feed_forward;
 pub mod model;
 pub mod precision;
 pub mod recompute;
+pub mod rows;
 
 pub use analysis::{AbsAccumulator, AbsStats, Allocation, LayerStats, allocation};
 pub use attention::{Attention, AttentionProbe};

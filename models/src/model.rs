@@ -14,6 +14,7 @@ use crate::cache::{KvCache, LayerCache, assert_room};
 use crate::config::{AttentionImpl, ModelConfig};
 use crate::feed_forward::SwiGlu;
 use crate::precision::compute_copy;
+use crate::rows;
 use burn::module::Module;
 use burn::nn::{
     Embedding, EmbeddingConfig, Initializer, Linear, RmsNorm, RmsNormConfig, RotaryEncoding,
@@ -189,15 +190,27 @@ impl Model {
     /// # Panics
     /// If the sequences would outgrow `cache.capacity()` (`max_seq_len`); callers check first.
     pub fn forward_cached(&self, tokens: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<3> {
+        self.head(self.hidden_cached(tokens, cache))
+    }
+
+    /// [`Model::forward_cached`]'s logits at the last position only, `[B, 1, vocab]`: what a
+    /// prefill needs to pick or score the next token, without the head's product over every
+    /// other position of the prompt (a fifth of a 135M model's prefill).
+    pub fn forward_cached_last(&self, tokens: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<3> {
+        let h = self.hidden_cached(tokens, cache);
+        let s = h.dims()[1];
+        self.head(h.narrow(1, s - 1, 1))
+    }
+
+    /// The last block's output for `tokens` after `cache`, which then holds them too.
+    fn hidden_cached(&self, tokens: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<3> {
         assert_room(cache.len(), tokens.dims()[1], cache.capacity());
-        let h = self
-            .blocks
+        self.blocks
             .iter()
             .zip(&mut cache.layers)
             .fold(self.embed.forward(tokens), |h, (block, layer)| {
                 block.forward_cached(h, &self.rope, layer)
-            });
-        self.head(h)
+            })
     }
 
     /// The forward pass with every layer's attention maps, λ and hidden state recorded.
@@ -259,14 +272,15 @@ impl Model {
     pub(crate) fn head_in(&self, h: Tensor<3>, compute: Option<FloatDType>) -> Tensor<3> {
         let h = compute_copy(&self.norm, compute).forward(h);
         match &self.lm_head {
-            Some(head) => compute_copy(head, compute).forward(h),
-            None => h.matmul(
-                compute_copy(&self.embed, compute)
-                    .weight
-                    .val()
-                    .transpose()
-                    .unsqueeze::<3>(),
-            ),
+            Some(head) => rows::linear(&compute_copy(head, compute), h),
+            None => {
+                // Rows times the embedding's transpose as one 2-D product: Flex reads the
+                // transposed view in place, where a 3-D view of it is first copied (vocab × d).
+                let [b, s, d] = h.dims();
+                let weight = compute_copy(&self.embed, compute).weight.val();
+                let vocab = weight.dims()[0];
+                rows::matmul(h.reshape([b * s, d]), weight.transpose()).reshape([b, s, vocab])
+            }
         }
     }
 }

@@ -354,8 +354,7 @@ pub fn log_likelihoods(
             .collect();
     }
     let mut cache = model.cache();
-    let first = model.forward_cached(id_tensor(context, device), &mut cache);
-    let first = first.narrow(1, context.len() - 1, 1);
+    let first = model.forward_cached_last(id_tensor(context, device), &mut cache);
     continue_scores(model, &mut cache, first, continuations, device)
 }
 

@@ -543,14 +543,13 @@ fn label_scores(
     let demos = tokens.demos(arranged);
     let mut cache = model.cache();
     if !demos.is_empty() {
-        model.forward_cached(id_tensor(&demos, device), &mut cache);
+        model.forward_cached_last(id_tensor(&demos, device), &mut cache);
     }
     tokens
         .items(arranged.len())
         .map(|item| {
             let prefix = &item.prefix;
-            let logits = model.forward_cached(id_tensor(prefix, device), &mut cache);
-            let last = logits.narrow(1, prefix.len() - 1, 1);
+            let last = model.forward_cached_last(id_tensor(prefix, device), &mut cache);
             let scores = continue_scores(model, &mut cache, last, &item.labels, device);
             cache.truncate(demos.len());
             scores

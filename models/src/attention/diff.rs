@@ -30,6 +30,7 @@ use super::{
 };
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig, lambda_init};
+use crate::rows;
 use burn::module::{Module, Param};
 use burn::nn::{Initializer, Linear, RmsNorm, RmsNormConfig, RotaryEncoding};
 use burn::tensor::activation::softmax;
@@ -136,7 +137,7 @@ impl DiffAttention {
     /// `(1 − λ_init)·subln(heads)`, merged and projected.
     fn output(&self, heads: Tensor<4>) -> Tensor<3> {
         let heads = self.subln.forward(heads).mul_scalar(1.0 - self.lambda_init);
-        self.o_proj.forward(merge_heads(heads))
+        rows::linear(&self.o_proj, merge_heads(heads))
     }
 
     /// `lambda_scale·λ` as a `[1, 1, 1, 1]` tensor in `dtype`, ready to broadcast.

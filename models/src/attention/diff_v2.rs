@@ -25,6 +25,7 @@ use super::{
 };
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig};
+use crate::rows;
 use burn::module::Module;
 use burn::nn::{Linear, RotaryEncoding};
 use burn::tensor::activation::{sigmoid, softmax};
@@ -75,7 +76,7 @@ impl DiffV2Attention {
 
     /// λ_{t,h} = sigmoid(x_t·W_λ) in f32, `[B, S, H]`.
     pub fn lambda(&self, x: Tensor<3>) -> Tensor<3> {
-        sigmoid(self.lambda_proj.forward(x).cast(DType::F32))
+        sigmoid(rows::linear(&self.lambda_proj, x).cast(DType::F32))
     }
 
     /// Q `[B, 2H, S, d]`, and K and V `[B, H_kv, T, d]` of the T positions so far: this step's
@@ -112,8 +113,7 @@ impl DiffV2Attention {
         let lambda = self.lambda(x.clone());
         let ([q, k, v], mask) = self.qkv(x, rope, cache);
         let o = causal_attention(q, k, v, self.implementation, self.logit_bits, mask);
-        self.o_proj
-            .forward(merge_heads(self.differentiate(o, lambda)))
+        rows::linear(&self.o_proj, merge_heads(self.differentiate(o, lambda)))
     }
 
     pub fn forward_probe(

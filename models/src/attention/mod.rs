@@ -4,6 +4,7 @@
 //! head layout helpers, the causal softmax and the probe type below. All tensors inside
 //! attention are `[batch, heads, seq, dim]`.
 
+mod decode;
 mod diff;
 mod diff_v2;
 pub mod flash;
@@ -15,6 +16,7 @@ pub use transformer::TransformerAttention;
 
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, AttentionKind, ModelConfig};
+use crate::rows;
 use burn::module::Module;
 use burn::nn::{Initializer, Linear, LinearConfig, RotaryEncoding};
 use burn::tensor::activation::softmax;
@@ -229,9 +231,9 @@ pub(crate) fn step_qkv(
     cache: Option<&mut LayerCache>,
 ) -> StepQkv {
     let start = cache.as_ref().map_or(0, |c| c.len());
-    let q = rotary_heads(q_proj.forward(x.clone()), q_heads, rope, start);
-    let k = rotary_heads(k_proj.forward(x.clone()), k_heads, rope, start);
-    let v = split_heads(v_proj.forward(x), v_heads);
+    let q = rotary_heads(rows::linear(q_proj, x.clone()), q_heads, rope, start);
+    let k = rotary_heads(rows::linear(k_proj, x.clone()), k_heads, rope, start);
+    let v = split_heads(rows::linear(v_proj, x), v_heads);
     match cache {
         Some(cache) => {
             let ([k, v], mask) = cache.append(k, v);
@@ -372,17 +374,21 @@ fn grouped_causal_attention(
 ) -> Tensor<4> {
     let [b, h, s, d] = q.dims();
     let [_, h_kv, t, _] = k.dims();
+    let future = match mask {
+        Some(mask) => mask,
+        None => Tensor::<2, Bool>::tril_mask([s, t], (t - s) as i64, &q.device()).unsqueeze::<4>(),
+    };
+    if s <= rows::FEW_ROWS
+        && let Some(out) = decode::attention(&q, &k, &v, &future)
+    {
+        return out;
+    }
     let d_v = v.dims()[3];
     let n_rep = h / h_kv;
     if n_rep == 1 {
-        return causal_softmax(q, k, 0, mask).matmul(v);
+        return causal_softmax(q, k, 0, Some(future)).matmul(v);
     }
-    let device = q.device();
     // Row r·S + i of a group is query head r's position i: the mask of position i, n_rep times.
-    let future = match mask {
-        Some(mask) => mask,
-        None => Tensor::<2, Bool>::tril_mask([s, t], (t - s) as i64, &device).unsqueeze::<4>(),
-    };
     let [mb, mh, _, _] = future.dims();
     assert_eq!(mh, 1, "a mask shared by the heads");
     let future = future

@@ -17,6 +17,7 @@ use super::{
 };
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig};
+use crate::rows;
 use burn::module::Module;
 use burn::nn::{Linear, RotaryEncoding};
 use burn::tensor::activation::softmax;
@@ -71,7 +72,7 @@ impl TransformerAttention {
     ) -> Tensor<3> {
         let ([q, k, v], mask) = self.qkv(x, rope, cache);
         let heads = causal_attention(q, k, v, self.implementation, self.logit_bits, mask);
-        self.o_proj.forward(merge_heads(heads))
+        rows::linear(&self.o_proj, merge_heads(heads))
     }
 
     pub fn forward_probe(

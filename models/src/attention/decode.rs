@@ -1,0 +1,232 @@
+//! Attention of a few new positions over a KV cache (decoding), computed directly on Flex.
+//!
+//! For query head h (reading kv head g = h / n_rep under GQA) at new position i, the last S of
+//! T positions, with `q`: `[B, H, S, d]`, `k`: `[B, H_kv, T, d]`, `v`: `[B, H_kv, T, d_v]`:
+//!
+//! ```text
+//! ℓ_t = q_{h,i}·k_{g,t}/√d,   or −∞ where the mask says so (causal: t > T − S + i)
+//! o_{h,i} = Σ_t softmax(ℓ)_t · v_{g,t}
+//! ```
+//!
+//! the numbers of [`super::grouped_causal_attention`]'s explicit path. That path spends most of
+//! a decoding step's attention in matmul calls of three rows and in mask, softmax and layout
+//! passes, all on one thread; here each (sequence, head, position) is one task on rayon's
+//! threads that reads its kv head's keys and values once, in place. Only Flex in f32 with
+//! contiguous last dimensions takes it: [`attention`] answers `None` for everything else.
+// NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
+#![allow(deprecated)]
+
+use burn::backend::tensor::{BoolTensor, FloatTensor};
+use burn::backend::{Backend, backend_extension};
+use burn::tensor::{Bool, Tensor};
+
+/// `softmax(q·kᵀ/√d, masked)·v`, `[B, H, S, d_v]`, when Flex computes it directly; `mask`:
+/// `[B or 1, 1, S, T]`, true where masked.
+pub(crate) fn attention(
+    q: &Tensor<4>,
+    k: &Tensor<4>,
+    v: &Tensor<4>,
+    mask: &Tensor<4, Bool>,
+) -> Option<Tensor<4>> {
+    <burn::backend::Dispatch as DecodeAttentionOps>::decode_attention(
+        q.clone().into_dispatch(),
+        k.clone().into_dispatch(),
+        v.clone().into_dispatch(),
+        mask.clone().into_dispatch(),
+    )
+    .map(Tensor::from_dispatch)
+}
+
+/// The operation: `None` (the explicit path) everywhere but on Flex.
+#[backend_extension(
+    Flex: cfg(feature = "flex"),
+    NdArray: cfg(feature = "ndarray"),
+    LibTorch: cfg(feature = "tch"),
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
+    Autodiff,
+)]
+pub trait DecodeAttentionOps: Backend {
+    /// The attention output, or `None` where this backend leaves it to the explicit path.
+    fn decode_attention(
+        _q: FloatTensor<Self>,
+        _k: FloatTensor<Self>,
+        _v: FloatTensor<Self>,
+        _mask: BoolTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        None
+    }
+}
+
+#[cfg(feature = "flex")]
+impl DecodeAttentionOps for burn::backend::Flex {
+    fn decode_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        flex::attention(&q, &k, &v, &mask)
+    }
+}
+#[cfg(feature = "ndarray")]
+impl DecodeAttentionOps for burn::backend::NdArray {}
+#[cfg(feature = "tch")]
+impl DecodeAttentionOps for burn::backend::LibTorch {}
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl DecodeAttentionOps for burn::backend::Cube {}
+impl<B, C> DecodeAttentionOps for burn::backend::Autodiff<B, C>
+where
+    B: Backend + DecodeAttentionOps,
+    C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy,
+{
+}
+
+#[cfg(feature = "flex")]
+mod flex {
+    use crate::rows::flex::dot;
+    use burn::backend::ops::FloatTensorOps;
+    use burn::backend::tensor::{BoolTensor, FloatTensor};
+    use burn::backend::{Flex, TensorMetadata};
+    use burn::tensor::{DType, TensorData};
+    use rayon::prelude::*;
+
+    /// A 4-d tensor's f32 elements by index (`None` unless f32 with a contiguous last dimension).
+    struct View<'a> {
+        data: &'a [f32],
+        start: usize,
+        strides: [usize; 3],
+        last: usize,
+    }
+
+    impl<'a> View<'a> {
+        fn of(t: &'a FloatTensor<Flex>) -> Option<Self> {
+            let strides = t.layout().strides();
+            if t.dtype() != DType::F32 || strides[3] != 1 && t.shape()[3] > 1 {
+                return None;
+            }
+            let positive = strides[..3].iter().all(|&s| s >= 0);
+            positive.then(|| Self {
+                data: t.storage::<f32>(),
+                start: t.layout().start_offset(),
+                strides: [
+                    strides[0] as usize,
+                    strides[1] as usize,
+                    strides[2] as usize,
+                ],
+                last: t.shape()[3],
+            })
+        }
+
+        /// Row `[a, b, c, :]`.
+        fn row(&self, a: usize, b: usize, c: usize) -> &'a [f32] {
+            let [sa, sb, sc] = self.strides;
+            &self.data[self.start + a * sa + b * sb + c * sc..][..self.last]
+        }
+    }
+
+    pub(super) fn attention(
+        q: &FloatTensor<Flex>,
+        k: &FloatTensor<Flex>,
+        v: &FloatTensor<Flex>,
+        mask: &BoolTensor<Flex>,
+    ) -> Option<FloatTensor<Flex>> {
+        let (qs, ks, vs) = (View::of(q)?, View::of(k)?, View::of(v)?);
+        let [b, h, s, d] = [q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]];
+        let [h_kv, t, d_v] = [k.shape()[1], k.shape()[2], v.shape()[3]];
+        let n_rep = h / h_kv;
+        let strides = mask.layout().strides();
+        if strides.iter().any(|&s| s < 0) {
+            return None;
+        }
+        let (flags, start) = (mask.storage::<u8>(), mask.layout().start_offset());
+        let [sb, si, sj] = [strides[0], strides[2], strides[3]].map(|s| s as usize);
+        let sb = if mask.shape()[0] > 1 { sb } else { 0 };
+        let masked = |bi: usize, i: usize, j: usize| flags[start + bi * sb + i * si + j * sj] != 0;
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut out = vec![0.0f32; b * h * s * d_v];
+        out.par_chunks_mut(d_v).enumerate().for_each(|(row, o)| {
+            let (bi, hi, i) = (row / (h * s), row / s % h, row % s);
+            let g = hi / n_rep;
+            let head = Head {
+                query: qs.row(bi, hi, i),
+                key: |j| ks.row(bi, g, j),
+                value: |j| vs.row(bi, g, j),
+                masked: |j| masked(bi, i, j),
+                keys: t,
+                scale,
+            };
+            head.attend(o);
+        });
+        Some(Flex::float_from_data(
+            TensorData::new(out, [b, h, s, d_v]),
+            &q.device(),
+        ))
+    }
+
+    /// One query row over its kv head's `keys` positions.
+    struct Head<'a, K, V, M> {
+        query: &'a [f32],
+        key: K,
+        value: V,
+        masked: M,
+        keys: usize,
+        scale: f32,
+    }
+
+    impl<'a, K, V, M> Head<'a, K, V, M>
+    where
+        K: Fn(usize) -> &'a [f32],
+        V: Fn(usize) -> &'a [f32],
+        M: Fn(usize) -> bool,
+    {
+        /// Adds the attention output to `o` (zeros), compiled for the widest vectors the CPU has.
+        fn attend(&self, o: &mut [f32]) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the CPU has AVX-512F (checked above).
+                    return unsafe { self.attend_avx512(o) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    // SAFETY: the CPU has AVX2 (checked above).
+                    return unsafe { self.attend_avx2(o) };
+                }
+            }
+            self.attend_portable(o)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f")]
+        fn attend_avx512(&self, o: &mut [f32]) {
+            self.attend_portable(o)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2")]
+        fn attend_avx2(&self, o: &mut [f32]) {
+            self.attend_portable(o)
+        }
+
+        #[inline(always)]
+        fn attend_portable(&self, o: &mut [f32]) {
+            let mut p: Vec<f32> = (0..self.keys)
+                .map(|j| match (self.masked)(j) {
+                    true => f32::NEG_INFINITY,
+                    false => dot(self.query, (self.key)(j)) * self.scale,
+                })
+                .collect();
+            let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for p in &mut p {
+                *p = (*p - max).exp();
+                sum += *p;
+            }
+            for (j, p) in p.iter().enumerate() {
+                let w = p / sum;
+                for (o, v) in o.iter_mut().zip((self.value)(j)) {
+                    *o += w * v;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,293 @@
+//! Products of a few rows with a weight matrix, as decoding computes them: with `x` `[m, k]`
+//! (one row per sequence and step, m ≤ [`FEW_ROWS`]) and `W` `[k, n]`,
+//!
+//! ```text
+//! y = x·W,   y_rj = Σ_i x_ri·W_ij
+//! ```
+//!
+//! Such a product does 2·m·k·n flops for the k·n weights it reads: it is bound by memory
+//! bandwidth, and one core does not saturate it. Flex runs it on one thread (its gemm
+//! parallelises only products of 192³ multiply-adds or more), so on Flex, in f32, the columns are
+//! cut into blocks, one or more per thread, each block streaming its weights once:
+//! - `W` row-major (a linear layer's `[d_in, d_out]` weight): `y_r,J += x_ri·W_i,J` for each row
+//!   i, four rows of `W` per pass over the block's outputs;
+//! - `W` column-major (the transpose of a tied embedding `[vocab, d]`): `y_rj = ⟨x_r, W_:,j⟩`, a
+//!   dot product per output over a contiguous row of the embedding.
+//!
+//! Sums are in f32 in another order than gemm's: results agree with the plain product to f32
+//! rounding. Every other backend, dtype, layout, or more rows, takes the plain product.
+// NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
+#![allow(deprecated)]
+
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, backend_extension};
+use burn::nn::Linear;
+use burn::tensor::Tensor;
+
+/// The most rows [`matmul`] sends to [`rows_matmul`]; more take the plain product.
+pub const FEW_ROWS: usize = 8;
+
+/// `linear.forward(x)` for `x` `[B, S, d_in]`, its product by [`matmul`].
+pub fn linear(linear: &Linear, x: Tensor<3>) -> Tensor<3> {
+    let [b, s, d_in] = x.dims();
+    let weight = linear.weight.val();
+    let d_out = weight.dims()[1];
+    let y = matmul(x.reshape([b * s, d_in]), weight);
+    let y = match &linear.bias {
+        Some(bias) => y + bias.val().unsqueeze::<2>(),
+        None => y,
+    };
+    y.reshape([b, s, d_out])
+}
+
+/// `x·w` for `x` `[m, k]` and `w` `[k, n]`: by [`rows_matmul`] when 1 ≤ m ≤ [`FEW_ROWS`], else
+/// the plain product.
+pub fn matmul(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
+    match x.dims()[0] {
+        1..=FEW_ROWS => rows_matmul(x, w),
+        _ => x.matmul(w),
+    }
+}
+
+/// `x·w` for `x` `[m, k]` and `w` `[k, n]` (see the module's doc).
+pub fn rows_matmul(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
+    Tensor::from_dispatch(<burn::backend::Dispatch as RowsOps>::rows_matmul(
+        x.into_dispatch(),
+        w.into_dispatch(),
+    ))
+}
+
+/// The operation: the plain product everywhere but on Flex.
+#[backend_extension(
+    Flex: cfg(feature = "flex"),
+    NdArray: cfg(feature = "ndarray"),
+    LibTorch: cfg(feature = "tch"),
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
+    Autodiff,
+)]
+pub trait RowsOps: Backend {
+    /// `x·w`, `[m, n]`.
+    fn rows_matmul(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_matmul(x, w)
+    }
+}
+
+#[cfg(feature = "flex")]
+impl RowsOps for burn::backend::Flex {
+    fn rows_matmul(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        flex::rows_matmul(&x, &w).unwrap_or_else(|| {
+            <Self as burn::backend::ops::FloatTensorOps<Self>>::float_matmul(x, w)
+        })
+    }
+}
+#[cfg(feature = "ndarray")]
+impl RowsOps for burn::backend::NdArray {}
+#[cfg(feature = "tch")]
+impl RowsOps for burn::backend::LibTorch {}
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl RowsOps for burn::backend::Cube {}
+impl<B: Backend + RowsOps, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
+    RowsOps for burn::backend::Autodiff<B, C>
+{
+}
+
+#[cfg(feature = "flex")]
+pub(crate) mod flex {
+    use burn::backend::ops::FloatTensorOps;
+    use burn::backend::tensor::FloatTensor;
+    use burn::backend::{Flex, TensorMetadata};
+    use burn::tensor::{DType, TensorData};
+    use core::ops::Range;
+    use rayon::prelude::*;
+
+    /// How a weight `[k, n]` lies in memory.
+    #[derive(Clone, Copy)]
+    enum Weight<'a> {
+        /// `W_ij` at `i·row + j`: each thread reads a contiguous band of rows of W.
+        RowMajor { data: &'a [f32], row: usize },
+        /// `W_ij` at `j·column + i`: each thread reads a contiguous band of columns of W.
+        ColumnMajor { data: &'a [f32], column: usize },
+    }
+
+    /// `x·w` in f32, the weight cut into one contiguous band per rayon thread; `None` when the
+    /// inputs are not f32, `x` is not contiguous, or `w` has neither unit row nor unit column
+    /// stride.
+    pub(super) fn rows_matmul(
+        x: &FloatTensor<Flex>,
+        w: &FloatTensor<Flex>,
+    ) -> Option<FloatTensor<Flex>> {
+        if x.dtype() != DType::F32 || w.dtype() != DType::F32 || !x.layout().is_contiguous() {
+            return None;
+        }
+        let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[1]);
+        let xs = &x.storage::<f32>()[x.layout().start_offset()..][..m * k];
+        let data = &w.storage::<f32>()[w.layout().start_offset()..];
+        let fits = |outer: usize, stride: usize, inner: usize| {
+            outer == 0 || data.len() >= (outer - 1) * stride + inner
+        };
+        let weight = match *w.layout().strides() {
+            [row, 1] if row >= 0 && fits(k, row as usize, n) => Weight::RowMajor {
+                data,
+                row: row as usize,
+            },
+            [1, column] if column >= 0 && fits(n, column as usize, k) => Weight::ColumnMajor {
+                data,
+                column: column as usize,
+            },
+            _ => return None,
+        };
+        let threads = rayon::current_num_threads();
+        let y = match weight {
+            Weight::RowMajor { .. } => {
+                // Partial products over bands of W's rows, then their sum.
+                let band = k.div_ceil(threads).next_multiple_of(4);
+                let bands: Vec<_> = (0..k).step_by(band).map(|i| i..(i + band).min(k)).collect();
+                bands
+                    .into_par_iter()
+                    .map(|rows| product(xs, m, k, weight, rows, 0..n))
+                    .reduce_with(|mut a, b| {
+                        a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+                        a
+                    })
+                    .unwrap_or_else(|| vec![0.0; m * n])
+            }
+            Weight::ColumnMajor { .. } => {
+                // Bands of W's columns, each a slice of y's columns.
+                let band = n.div_ceil(threads).max(1);
+                let bands: Vec<_> = (0..n).step_by(band).map(|j| j..(j + band).min(n)).collect();
+                let parts: Vec<_> = bands
+                    .into_par_iter()
+                    .map(|cols| (cols.clone(), product(xs, m, k, weight, 0..k, cols)))
+                    .collect();
+                let mut y = vec![0.0f32; m * n];
+                for (cols, part) in parts {
+                    for (r, part) in part.chunks_exact(cols.len()).enumerate() {
+                        y[r * n + cols.start..][..cols.len()].copy_from_slice(part);
+                    }
+                }
+                y
+            }
+        };
+        Some(Flex::float_from_data(
+            TensorData::new(y, [m, n]),
+            &x.device(),
+        ))
+    }
+
+    /// `x[:, rows]·W[rows, cols]`, `[m, cols.len()]` row-major, compiled for the widest vectors
+    /// the CPU has.
+    fn product(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        weight: Weight,
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) -> Vec<f32> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has AVX-512F (checked above).
+                return unsafe { product_avx512(x, m, k, weight, rows, cols) };
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU has AVX2 (checked above).
+                return unsafe { product_avx2(x, m, k, weight, rows, cols) };
+            }
+        }
+        product_portable(x, m, k, weight, rows, cols)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    fn product_avx512(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        weight: Weight,
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) -> Vec<f32> {
+        product_portable(x, m, k, weight, rows, cols)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn product_avx2(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        weight: Weight,
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) -> Vec<f32> {
+        product_portable(x, m, k, weight, rows, cols)
+    }
+
+    #[inline(always)]
+    fn product_portable(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        weight: Weight,
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) -> Vec<f32> {
+        let width = cols.len();
+        let mut y = vec![0.0f32; m * width];
+        match weight {
+            Weight::RowMajor { data, row } => {
+                let w = |i: usize| &data[i * row + cols.start..][..width];
+                let mut i = rows.start;
+                while i + 4 <= rows.end {
+                    let (w0, w1, w2, w3) = (w(i), w(i + 1), w(i + 2), w(i + 3));
+                    for (r, out) in y.chunks_exact_mut(width).enumerate() {
+                        let a = &x[r * k + i..][..4];
+                        let ws = w0.iter().zip(w1).zip(w2).zip(w3);
+                        for (out, (((w0, w1), w2), w3)) in out.iter_mut().zip(ws) {
+                            *out += a[0] * w0 + a[1] * w1 + a[2] * w2 + a[3] * w3;
+                        }
+                    }
+                    i += 4;
+                }
+                for i in i..rows.end {
+                    let wi = w(i);
+                    for (r, out) in y.chunks_exact_mut(width).enumerate() {
+                        let a = x[r * k + i];
+                        for (out, w) in out.iter_mut().zip(wi) {
+                            *out += a * w;
+                        }
+                    }
+                }
+            }
+            Weight::ColumnMajor { data, column } => {
+                for (c, j) in cols.enumerate() {
+                    let wj = &data[j * column + rows.start..rows.end + j * column];
+                    for r in 0..m {
+                        y[r * width + c] = dot(&x[r * k + rows.start..r * k + rows.end], wj);
+                    }
+                }
+            }
+        }
+        y
+    }
+
+    /// ⟨a, b⟩ over sixteen partial sums (vectorised by the compiler), then the tail.
+    #[inline(always)]
+    pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let mut lanes = [0.0f32; 16];
+        let (a16, b16) = (a.chunks_exact(16), b.chunks_exact(16));
+        let tail: f32 = a16
+            .remainder()
+            .iter()
+            .zip(b16.remainder())
+            .map(|(a, b)| a * b)
+            .sum();
+        for (a, b) in a16.zip(b16) {
+            for l in 0..16 {
+                lanes[l] += a[l] * b[l];
+            }
+        }
+        lanes.iter().sum::<f32>() + tail
+    }
+}

@@ -1,0 +1,153 @@
+//! Decoding's few-row products (`rows`) against the plain product on every backend compiled in:
+//! exactly, on small integers (every partial sum exact in f32, so any misplaced row, column,
+//! band or tail shows), and to f32 rounding on random values; for row-major weights, transposed
+//! ones (a tied head), strided views and bf16 (the plain product's path), 1 to FEW_ROWS rows,
+//! widths and depths off every multiple, on one thread and on more threads than bands; and
+//! `rows::linear` against `Linear::forward`, with and without bias, in values and gradients.
+
+mod common;
+
+use burn::nn::LinearConfig;
+use burn::tensor::{DType, Device, Distribution, Gradients, Tensor, TensorData, s};
+use common::{assert_close, backends};
+use diffzoo_models::rows::{self, FEW_ROWS};
+
+/// (k, n): depths off the 4-row pass, widths off the vector width, one of each below both.
+const SHAPES: [(usize, usize); 5] = [(1, 1), (3, 5), (37, 45), (64, 128), (130, 17)];
+
+/// A `[rows, cols]` tensor of small integers in −3..=3, deterministic in `seed`.
+fn integers(rows: usize, cols: usize, seed: usize, device: &Device) -> Tensor<2> {
+    let values = (0..rows * cols)
+        .map(|i| ((i * 7 + seed * 13 + i / 5) % 7) as f32 - 3.0)
+        .collect::<Vec<_>>();
+    Tensor::from_data(TensorData::new(values, [rows, cols]), device)
+}
+
+/// Every weight layout the products meet: row-major `[k, n]`, the transpose of a row-major
+/// `[n, k]` (a tied embedding), and a strided slice of a wider one.
+fn layouts(k: usize, n: usize, seed: usize, device: &Device) -> Vec<(&'static str, Tensor<2>)> {
+    vec![
+        ("row-major", integers(k, n, seed, device)),
+        ("transposed", integers(n, k, seed, device).transpose()),
+        (
+            "strided",
+            integers(k, 2 * n, seed, device).slice(s![.., 0..2 * n;2]),
+        ),
+    ]
+}
+
+#[test]
+fn few_row_products_equal_the_plain_product_exactly_on_integers() {
+    for (backend, device) in backends() {
+        for (k, n) in SHAPES {
+            for m in 1..=FEW_ROWS {
+                let x = integers(m, k, m, &device);
+                for (layout, w) in layouts(k, n, m + k, &device) {
+                    let what = format!("{backend}: {layout} m={m} k={k} n={n}");
+                    let ours = rows::rows_matmul(x.clone(), w.clone());
+                    let plain = x.clone().matmul(w);
+                    assert_eq!(ours.dims(), [m, n], "{what}");
+                    assert_eq!(
+                        ours.into_data().try_into_vec::<f32>().unwrap(),
+                        plain.into_data().try_into_vec::<f32>().unwrap(),
+                        "{what}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bands_cover_the_weight_on_any_number_of_threads() {
+    let device = backends()[0].1.clone();
+    for threads in [1, 3, 7] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            for (k, n) in [(5, 3), (37, 45), (130, 17)] {
+                let x = integers(2, k, threads, &device);
+                for (layout, w) in layouts(k, n, threads, &device) {
+                    let ours = rows::rows_matmul(x.clone(), w.clone());
+                    let plain = x.clone().matmul(w);
+                    assert_eq!(
+                        ours.into_data().try_into_vec::<f32>().unwrap(),
+                        plain.into_data().try_into_vec::<f32>().unwrap(),
+                        "{threads} threads: {layout} k={k} n={n}"
+                    );
+                }
+            }
+        });
+    }
+}
+
+#[test]
+fn few_row_products_agree_with_the_plain_product_on_random_values() {
+    for (backend, device) in backends() {
+        device.seed(3);
+        let normal = Distribution::Normal(0.0, 1.0);
+        let (k, n) = (576, 1000);
+        for m in [1, 3, FEW_ROWS] {
+            let x = Tensor::<2>::random([m, k], normal, &device);
+            let w = Tensor::<2>::random([k, n], normal, &device);
+            let e = Tensor::<2>::random([n, k], normal, &device);
+            let what = format!("{backend}: m={m}");
+            let plain = x.clone().matmul(w.clone());
+            assert_close(&what, rows::rows_matmul(x.clone(), w), plain, 1e-3, 1e-5);
+            let plain = x.clone().matmul(e.clone().transpose());
+            assert_close(
+                &what,
+                rows::rows_matmul(x, e.transpose()),
+                plain,
+                1e-3,
+                1e-5,
+            );
+        }
+    }
+}
+
+#[test]
+fn bf16_products_take_the_plain_path() {
+    let device = backends()[0].1.clone();
+    let x = integers(2, 37, 1, &device).cast(DType::BF16);
+    let w = integers(37, 45, 2, &device).cast(DType::BF16);
+    let ours = rows::rows_matmul(x.clone(), w.clone());
+    assert_eq!(ours.dtype(), DType::BF16);
+    assert_eq!(
+        ours.cast(DType::F32)
+            .into_data()
+            .try_into_vec::<f32>()
+            .unwrap(),
+        x.matmul(w)
+            .cast(DType::F32)
+            .into_data()
+            .try_into_vec::<f32>()
+            .unwrap()
+    );
+}
+
+#[test]
+fn linear_equals_the_layer_in_values_and_gradients() {
+    for (backend, device) in backends() {
+        let device = device.autodiff();
+        device.seed(11);
+        for bias in [false, true] {
+            let layer = LinearConfig::new(37, 45).with_bias(bias).init(&device);
+            // B·S of 1, FEW_ROWS (the few-row product) and one more (the layer's own path).
+            for [b, s] in [[1, 1], [2, 4], [3, 3]] {
+                let what = format!("{backend}: bias={bias} B={b} S={s}");
+                let x =
+                    Tensor::<3>::random([b, s, 37], Distribution::Default, &device).require_grad();
+                let ours = rows::linear(&layer, x.clone());
+                let theirs = layer.forward(x.clone());
+                assert_close(&what, ours.clone(), theirs.clone(), 1e-5, 1e-5);
+                let ours = ours.sum().backward();
+                let theirs = theirs.sum().backward();
+                let grad = |grads: Gradients| x.grad(&grads).unwrap();
+                assert_close(&what, grad(ours), grad(theirs), 1e-5, 1e-5);
+            }
+        }
+    }
+}
