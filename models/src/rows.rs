@@ -136,8 +136,13 @@ pub(crate) mod flex {
             },
             _ => return None,
         };
-        let threads = rayon::current_num_threads();
+        // Below a quarter million weights (1 MiB) waking the pool costs more than it saves.
+        let threads = match k * n < 1 << 18 {
+            true => 1,
+            false => rayon::current_num_threads(),
+        };
         let y = match weight {
+            _ if threads == 1 => product(xs, m, k, weight, 0..k, 0..n),
             Weight::RowMajor { .. } => {
                 // Partial products over bands of W's rows, then their sum.
                 let band = k.div_ceil(threads).next_multiple_of(4);

@@ -12,8 +12,9 @@ use burn::tensor::{DType, Device, Distribution, Gradients, Tensor, TensorData, s
 use common::{assert_close, backends};
 use diffzoo_models::rows::{self, FEW_ROWS};
 
-/// (k, n): depths off the 4-row pass, widths off the vector width, one of each below both.
-const SHAPES: [(usize, usize); 5] = [(1, 1), (3, 5), (37, 45), (64, 128), (130, 17)];
+/// (k, n): depths off the 4-row pass, widths off the vector width, one of each below both; the
+/// last has the quarter million weights above which the product is split across threads.
+const SHAPES: [(usize, usize); 6] = [(1, 1), (3, 5), (37, 45), (64, 128), (130, 17), (515, 515)];
 
 /// A `[rows, cols]` tensor of small integers in −3..=3, deterministic in `seed`.
 fn integers(rows: usize, cols: usize, seed: usize, device: &Device) -> Tensor<2> {
@@ -67,7 +68,7 @@ fn bands_cover_the_weight_on_any_number_of_threads() {
             .build()
             .unwrap();
         pool.install(|| {
-            for (k, n) in [(5, 3), (37, 45), (130, 17)] {
+            for (k, n) in [(5, 3), (515, 515), (1030, 257)] {
                 let x = integers(2, k, threads, &device);
                 for (layout, w) in layouts(k, n, threads, &device) {
                     let ours = rows::rows_matmul(x.clone(), w.clone());

@@ -144,7 +144,7 @@ mod flex {
         let masked = |bi: usize, i: usize, j: usize| flags[start + bi * sb + i * si + j * sj] != 0;
         let scale = 1.0 / (d as f32).sqrt();
         let mut out = vec![0.0f32; b * h * s * d_v];
-        out.par_chunks_mut(d_v).enumerate().for_each(|(row, o)| {
+        let attend = |(row, o): (usize, &mut [f32])| {
             let (bi, hi, i) = (row / (h * s), row / s % h, row % s);
             let g = hi / n_rep;
             let head = Head {
@@ -156,7 +156,12 @@ mod flex {
                 scale,
             };
             head.attend(o);
-        });
+        };
+        // Below a quarter million multiply-adds waking the pool costs more than it saves.
+        match b * h * s * t * (d + d_v) < 1 << 18 {
+            true => out.chunks_mut(d_v).enumerate().for_each(attend),
+            false => out.par_chunks_mut(d_v).enumerate().for_each(attend),
+        }
         Some(Flex::float_from_data(
             TensorData::new(out, [b, h, s, d_v]),
             &q.device(),
