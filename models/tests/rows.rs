@@ -37,6 +37,18 @@ fn layouts(k: usize, n: usize, seed: usize, device: &Device) -> Vec<(&'static st
     ]
 }
 
+/// `rows_matmul(x, w)` has the plain product's shape and every one of its values.
+fn assert_same_product(what: &str, x: &Tensor<2>, w: Tensor<2>) {
+    let ours = rows::rows_matmul(x.clone(), w.clone());
+    let plain = x.clone().matmul(w);
+    assert_eq!(ours.dims(), plain.dims(), "{what}");
+    assert_eq!(
+        ours.into_data().try_into_vec::<f32>().unwrap(),
+        plain.into_data().try_into_vec::<f32>().unwrap(),
+        "{what}"
+    );
+}
+
 #[test]
 fn few_row_products_equal_the_plain_product_exactly_on_integers() {
     for (backend, device) in backends() {
@@ -45,14 +57,7 @@ fn few_row_products_equal_the_plain_product_exactly_on_integers() {
                 let x = integers(m, k, m, &device);
                 for (layout, w) in layouts(k, n, m + k, &device) {
                     let what = format!("{backend}: {layout} m={m} k={k} n={n}");
-                    let ours = rows::rows_matmul(x.clone(), w.clone());
-                    let plain = x.clone().matmul(w);
-                    assert_eq!(ours.dims(), [m, n], "{what}");
-                    assert_eq!(
-                        ours.into_data().try_into_vec::<f32>().unwrap(),
-                        plain.into_data().try_into_vec::<f32>().unwrap(),
-                        "{what}"
-                    );
+                    assert_same_product(&what, &x, w);
                 }
             }
         }
@@ -71,13 +76,8 @@ fn bands_cover_the_weight_on_any_number_of_threads() {
             for (k, n) in [(5, 3), (515, 515), (1030, 257)] {
                 let x = integers(2, k, threads, &device);
                 for (layout, w) in layouts(k, n, threads, &device) {
-                    let ours = rows::rows_matmul(x.clone(), w.clone());
-                    let plain = x.clone().matmul(w);
-                    assert_eq!(
-                        ours.into_data().try_into_vec::<f32>().unwrap(),
-                        plain.into_data().try_into_vec::<f32>().unwrap(),
-                        "{threads} threads: {layout} k={k} n={n}"
-                    );
+                    let what = format!("{threads} threads: {layout} k={k} n={n}");
+                    assert_same_product(&what, &x, w);
                 }
             }
         });
