@@ -6,13 +6,14 @@
 //! ```
 //!
 //! Such a product does 2·m·k·n flops for the k·n weights it reads: it is bound by memory
-//! bandwidth, and one core does not saturate it. Flex runs it on one thread (its gemm
-//! parallelises only products of 192³ multiply-adds or more), so on Flex, in f32, the columns are
-//! cut into blocks, one or more per thread, each block streaming its weights once:
-//! - `W` row-major (a linear layer's `[d_in, d_out]` weight): `y_r,J += x_ri·W_i,J` for each row
-//!   i, four rows of `W` per pass over the block's outputs;
-//! - `W` column-major (the transpose of a tied embedding `[vocab, d]`): `y_rj = ⟨x_r, W_:,j⟩`, a
-//!   dot product per output over a contiguous row of the embedding.
+//! bandwidth, and one core does not saturate it. Flex runs most such products on one thread (its
+//! gemm parallelises only products of 192³ multiply-adds or more), so on Flex, in f32, the weight
+//! is cut into one contiguous band per rayon thread, each band streamed once (weights below a
+//! quarter million stay on the calling thread: waking the pool would cost more):
+//! - `W` row-major (a linear layer's `[d_in, d_out]` weight): bands of W's rows I, each giving a
+//!   partial product `x_r,I·W_I,:` (four rows of W per pass over the outputs), then their sum;
+//! - `W` column-major (the transpose of a tied embedding `[vocab, d]`): bands of W's columns J,
+//!   `y_rj = ⟨x_r, W_:,j⟩` for j in J, a dot product over a contiguous row of the embedding.
 //!
 //! Sums are in f32 in another order than gemm's: results agree with the plain product to f32
 //! rounding. Every other backend, dtype, layout, or more rows, takes the plain product.
@@ -31,7 +32,11 @@ pub const FEW_ROWS: usize = 8;
 pub fn linear(linear: &Linear, x: Tensor<3>) -> Tensor<3> {
     let [b, s, d_in] = x.dims();
     let weight = linear.weight.val();
-    let d_out = weight.dims()[1];
+    let [w_in, d_out] = weight.dims();
+    assert_eq!(
+        d_in, w_in,
+        "linear: input width {d_in}, weight [{w_in}, {d_out}]"
+    );
     let y = matmul(x.reshape([b * s, d_in]), weight);
     let y = match &linear.bias {
         Some(bias) => y + bias.val().unsqueeze::<2>(),
@@ -109,9 +114,9 @@ pub(crate) mod flex {
         ColumnMajor { data: &'a [f32], column: usize },
     }
 
-    /// `x·w` in f32, the weight cut into one contiguous band per rayon thread; `None` when the
-    /// inputs are not f32, `x` is not contiguous, or `w` has neither unit row nor unit column
-    /// stride.
+    /// `x·w` in f32, the weight cut into one contiguous band per rayon thread; `None` (the plain
+    /// product, which checks shapes itself) when the inputs are not f32, `x` is not contiguous,
+    /// `w` has neither unit row nor unit column stride, the inner sizes differ or any is zero.
     pub(super) fn rows_matmul(
         x: &FloatTensor<Flex>,
         w: &FloatTensor<Flex>,
@@ -120,11 +125,13 @@ pub(crate) mod flex {
             return None;
         }
         let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[1]);
+        if w.shape()[0] != k || m * k * n == 0 {
+            return None;
+        }
         let xs = &x.storage::<f32>()[x.layout().start_offset()..][..m * k];
         let data = &w.storage::<f32>()[w.layout().start_offset()..];
-        let fits = |outer: usize, stride: usize, inner: usize| {
-            outer == 0 || data.len() >= (outer - 1) * stride + inner
-        };
+        let fits =
+            |outer: usize, stride: usize, inner: usize| data.len() >= (outer - 1) * stride + inner;
         let weight = match *w.layout().strides() {
             [row, 1] if row >= 0 && fits(k, row as usize, n) => Weight::RowMajor {
                 data,

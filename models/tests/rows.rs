@@ -152,3 +152,11 @@ fn linear_equals_the_layer_in_values_and_gradients() {
         }
     }
 }
+
+#[test]
+#[should_panic(expected = "linear: input width 36, weight [37, 45]")]
+fn linear_refuses_an_input_of_another_width() {
+    let device = backends()[0].1.clone();
+    let layer = LinearConfig::new(37, 45).init(&device);
+    rows::linear(&layer, Tensor::<3>::zeros([1, 1, 36], &device));
+}

@@ -10,9 +10,11 @@
 //!
 //! the numbers of [`super::grouped_causal_attention`]'s explicit path. That path spends most of
 //! a decoding step's attention in matmul calls of three rows and in mask, softmax and layout
-//! passes, all on one thread; here each (sequence, head, position) is one task on rayon's
-//! threads that reads its kv head's keys and values once, in place. Only Flex in f32 with
-//! contiguous last dimensions takes it: [`attention`] answers `None` for everything else.
+//! passes, all on one thread; here each (sequence, head, position) is one task, on rayon's
+//! threads from a quarter million multiply-adds (on the calling thread below), that reads its kv
+//! head's keys and values once, in place. Only Flex in f32 with contiguous last dimensions and
+//! the shapes above takes it: [`attention`] answers `None` for everything else, autodiff
+//! included.
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
 #![allow(deprecated)]
 
@@ -133,14 +135,34 @@ mod flex {
         let (qs, ks, vs) = (View::of(q)?, View::of(k)?, View::of(v)?);
         let [b, h, s, d] = [q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]];
         let [h_kv, t, d_v] = [k.shape()[1], k.shape()[2], v.shape()[3]];
-        let n_rep = h / h_kv;
+        let shapes = [
+            k.shape()[0],
+            k.shape()[3],
+            v.shape()[0],
+            v.shape()[1],
+            v.shape()[2],
+        ];
+        let mask_shape = [
+            mask.shape()[0],
+            mask.shape()[1],
+            mask.shape()[2],
+            mask.shape()[3],
+        ];
         let strides = mask.layout().strides();
-        if strides.iter().any(|&s| s < 0) {
+        if shapes != [b, d, b, h_kv, t]
+            || mask_shape[1..] != [1, s, t]
+            || ![1, b].contains(&mask_shape[0])
+            || h_kv == 0
+            || h % h_kv != 0
+            || d_v == 0
+            || strides.iter().any(|&s| s < 0)
+        {
             return None;
         }
+        let n_rep = h / h_kv;
         let (flags, start) = (mask.storage::<u8>(), mask.layout().start_offset());
         let [sb, si, sj] = [strides[0], strides[2], strides[3]].map(|s| s as usize);
-        let sb = if mask.shape()[0] > 1 { sb } else { 0 };
+        let sb = if mask_shape[0] > 1 { sb } else { 0 };
         let masked = |bi: usize, i: usize, j: usize| flags[start + bi * sb + i * si + j * sj] != 0;
         let scale = 1.0 / (d as f32).sqrt();
         let mut out = vec![0.0f32; b * h * s * d_v];
