@@ -13,7 +13,7 @@ use crate::attention::{Attention, AttentionProbe, projection};
 use crate::cache::{KvCache, LayerCache, assert_room};
 use crate::config::{AttentionImpl, ModelConfig};
 use crate::feed_forward::SwiGlu;
-use crate::precision::compute_copy;
+use crate::precision::{compute_copy, weight_matrices_in};
 use crate::rows;
 use burn::module::Module;
 use burn::nn::{
@@ -168,12 +168,9 @@ impl ModelConfig {
 impl Model {
     /// `tokens`: `[B, S]` → logits `[B, S, vocab]`.
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let h = self
-            .blocks
-            .iter()
-            .fold(self.embed.forward(tokens), |h, block| {
-                block.forward(h, &self.rope)
-            });
+        let h = self.blocks.iter().fold(self.embedded(tokens), |h, block| {
+            block.forward(h, &self.rope)
+        });
         self.head(h)
     }
 
@@ -208,14 +205,14 @@ impl Model {
         self.blocks
             .iter()
             .zip(&mut cache.layers)
-            .fold(self.embed.forward(tokens), |h, (block, layer)| {
+            .fold(self.embedded(tokens), |h, (block, layer)| {
                 block.forward_cached(h, &self.rope, layer)
             })
     }
 
     /// The forward pass with every layer's attention maps, λ and hidden state recorded.
     pub fn forward_probe(&self, tokens: Tensor<2, Int>) -> ModelProbe {
-        let mut h = self.embed.forward(tokens);
+        let mut h = self.embedded(tokens);
         let mut layers = Vec::with_capacity(self.blocks.len());
         for block in &self.blocks {
             let (next, attention) = block.forward_probe(h, &self.rope);
@@ -261,6 +258,19 @@ impl Model {
     /// DIFF V1's λ of every layer (input-independent); empty for the other variants.
     pub fn lambdas(&self) -> Vec<f32> {
         self.blocks.iter().filter_map(|b| b.attn.lambda()).collect()
+    }
+
+    /// The same model with its weight matrices stored in `dtype` (inference weights, e.g. bf16:
+    /// [`weight_matrices_in`]), computing in the dtype it computed in before.
+    pub fn with_weight_dtype(self, dtype: FloatDType) -> Self {
+        weight_matrices_in(self, dtype)
+    }
+
+    /// `Embed(tokens)` in the dtype the model computes in (its final norm's): an embedding stored
+    /// in another ([`Model::with_weight_dtype`]) is widened here.
+    fn embedded(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let dtype = self.norm.gamma.val().dtype();
+        self.embed.forward(tokens).cast(dtype)
     }
 
     fn head(&self, h: Tensor<3>) -> Tensor<3> {

@@ -34,3 +34,23 @@ impl ModuleMapper for CastParams {
         param.map(|tensor| tensor.cast(dtype))
     }
 }
+
+/// `module` with every weight matrix (the 2-D parameters: projections, embeddings, an untied
+/// head) stored in `dtype`, the rest (norms, λ, biases) as they are: inference weights. The
+/// layers still compute in their activations' dtype, reading the matrices widened
+/// ([`crate::rows`]); in bf16 a decoding step reads half the bytes.
+pub fn weight_matrices_in<M: Module>(module: M, dtype: FloatDType) -> M {
+    module.map(&mut CastMatrices(dtype))
+}
+
+struct CastMatrices(FloatDType);
+
+impl ModuleMapper for CastMatrices {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let dtype = self.0;
+        match D {
+            2 => param.map(|tensor| tensor.cast(dtype)),
+            _ => param,
+        }
+    }
+}

@@ -17,6 +17,11 @@
 //!
 //! Sums are in f32 in another order than gemm's: results agree with the plain product to f32
 //! rounding. Every other backend, dtype, layout, or more rows, takes the plain product.
+//!
+//! The weight may be in another dtype than `x` (inference weights kept in bf16,
+//! [`crate::Model::with_weight_dtype`]): `y = x·f32(W)`. The kernel widens each bf16 weight as it
+//! reads it (a bf16 is an f32's upper half: exact), so it streams half the bytes; the plain
+//! product casts W to x's dtype first.
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
 #![allow(deprecated)]
 
@@ -45,16 +50,19 @@ pub fn linear(linear: &Linear, x: Tensor<3>) -> Tensor<3> {
     y.reshape([b, s, d_out])
 }
 
-/// `x·w` for `x` `[m, k]` and `w` `[k, n]`: by [`rows_matmul`] when 1 ≤ m ≤ [`FEW_ROWS`], else
-/// the plain product.
+/// `x·w` for `x` `[m, k]` and `w` `[k, n]` (`w` cast to x's dtype): by [`rows_matmul`] when
+/// 1 ≤ m ≤ [`FEW_ROWS`], else the plain product.
 pub fn matmul(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
     match x.dims()[0] {
         1..=FEW_ROWS => rows_matmul(x, w),
-        _ => x.matmul(w),
+        _ => {
+            let dtype = x.dtype();
+            x.matmul(w.cast(dtype))
+        }
     }
 }
 
-/// `x·w` for `x` `[m, k]` and `w` `[k, n]` (see the module's doc).
+/// `x·w` for `x` `[m, k]` and `w` `[k, n]`, `w` in x's dtype or another (see the module's doc).
 pub fn rows_matmul(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
     Tensor::from_dispatch(<burn::backend::Dispatch as RowsOps>::rows_matmul(
         x.into_dispatch(),
@@ -71,18 +79,27 @@ pub fn rows_matmul(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
     Autodiff,
 )]
 pub trait RowsOps: Backend {
-    /// `x·w`, `[m, n]`.
+    /// `x·w`, `[m, n]`, in x's dtype.
     fn rows_matmul(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
-        Self::float_matmul(x, w)
+        plain::<Self>(x, w)
     }
+}
+
+/// `x·w` by the backend's product, `w` cast to x's dtype first when they differ.
+fn plain<B: Backend>(x: FloatTensor<B>, w: FloatTensor<B>) -> FloatTensor<B> {
+    use burn::backend::TensorMetadata;
+    let dtype = x.dtype();
+    let w = match w.dtype() == dtype {
+        true => w,
+        false => B::float_cast(w, dtype.into()),
+    };
+    B::float_matmul(x, w)
 }
 
 #[cfg(feature = "flex")]
 impl RowsOps for burn::backend::Flex {
     fn rows_matmul(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
-        flex::rows_matmul(&x, &w).unwrap_or_else(|| {
-            <Self as burn::backend::ops::FloatTensorOps<Self>>::float_matmul(x, w)
-        })
+        flex::rows_matmul(&x, &w).unwrap_or_else(|| plain::<Self>(x, w))
     }
 }
 #[cfg(feature = "ndarray")]
@@ -101,27 +118,48 @@ pub(crate) mod flex {
     use burn::backend::ops::FloatTensorOps;
     use burn::backend::tensor::FloatTensor;
     use burn::backend::{Flex, TensorMetadata};
-    use burn::tensor::{DType, TensorData};
+    use burn::tensor::{DType, TensorData, bf16};
     use core::ops::Range;
     use rayon::prelude::*;
 
-    /// How a weight `[k, n]` lies in memory.
-    #[derive(Clone, Copy)]
-    enum Weight<'a> {
-        /// `W_ij` at `i·row + j`: each thread reads a contiguous band of rows of W.
-        RowMajor { data: &'a [f32], row: usize },
-        /// `W_ij` at `j·column + i`: each thread reads a contiguous band of columns of W.
-        ColumnMajor { data: &'a [f32], column: usize },
+    /// A weight's element, read as the f32 it is or widens to exactly.
+    pub(crate) trait Widen: Copy + Send + Sync {
+        fn widen(self) -> f32;
     }
 
-    /// `x·w` in f32, the weight cut into one contiguous band per rayon thread; `None` (the plain
-    /// product, which checks shapes itself) when the inputs are not f32, `x` is not contiguous,
-    /// `w` has neither unit row nor unit column stride, the inner sizes differ or any is zero.
+    impl Widen for f32 {
+        #[inline(always)]
+        fn widen(self) -> f32 {
+            self
+        }
+    }
+
+    impl Widen for bf16 {
+        /// A bf16 is the upper half of the f32 it stands for.
+        #[inline(always)]
+        fn widen(self) -> f32 {
+            f32::from_bits(u32::from(self.to_bits()) << 16)
+        }
+    }
+
+    /// How a weight `[k, n]` lies in memory.
+    #[derive(Clone, Copy)]
+    enum Weight<'a, E> {
+        /// `W_ij` at `i·row + j`: each thread reads a contiguous band of rows of W.
+        RowMajor { data: &'a [E], row: usize },
+        /// `W_ij` at `j·column + i`: each thread reads a contiguous band of columns of W.
+        ColumnMajor { data: &'a [E], column: usize },
+    }
+
+    /// `x·w` in f32, the weight (f32 or bf16) cut into one contiguous band per rayon thread;
+    /// `None` (the plain product, which checks shapes itself) when x is not f32 or not
+    /// contiguous, w is neither f32 nor bf16 or has neither unit row nor unit column stride, the
+    /// inner sizes differ or any is zero.
     pub(super) fn rows_matmul(
         x: &FloatTensor<Flex>,
         w: &FloatTensor<Flex>,
     ) -> Option<FloatTensor<Flex>> {
-        if x.dtype() != DType::F32 || w.dtype() != DType::F32 || !x.layout().is_contiguous() {
+        if x.dtype() != DType::F32 || !x.layout().is_contiguous() {
             return None;
         }
         let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[1]);
@@ -129,34 +167,58 @@ pub(crate) mod flex {
             return None;
         }
         let xs = &x.storage::<f32>()[x.layout().start_offset()..][..m * k];
-        let data = &w.storage::<f32>()[w.layout().start_offset()..];
-        let fits =
-            |outer: usize, stride: usize, inner: usize| data.len() >= (outer - 1) * stride + inner;
-        let weight = match *w.layout().strides() {
-            [row, 1] if row >= 0 && fits(k, row as usize, n) => Weight::RowMajor {
-                data,
-                row: row as usize,
-            },
-            [1, column] if column >= 0 && fits(n, column as usize, k) => Weight::ColumnMajor {
-                data,
-                column: column as usize,
-            },
+        let y = match w.dtype() {
+            DType::F32 => banded(xs, m, k, n, weight(w, w.storage::<f32>(), k, n)?),
+            DType::BF16 => banded(xs, m, k, n, weight(w, w.storage::<bf16>(), k, n)?),
             _ => return None,
         };
-        // Below a quarter million weights (1 MiB) waking the pool costs more than it saves.
+        Some(Flex::float_from_data(
+            TensorData::new(y, [m, n]),
+            &x.device(),
+        ))
+    }
+
+    /// w's layout over its storage, if it is one the kernel reads and lies within it.
+    fn weight<'a, E>(
+        w: &FloatTensor<Flex>,
+        storage: &'a [E],
+        k: usize,
+        n: usize,
+    ) -> Option<Weight<'a, E>> {
+        let data = &storage[w.layout().start_offset()..];
+        let fits =
+            |outer: usize, stride: usize, inner: usize| data.len() >= (outer - 1) * stride + inner;
+        match *w.layout().strides() {
+            [row, 1] if row >= 0 && fits(k, row as usize, n) => Some(Weight::RowMajor {
+                data,
+                row: row as usize,
+            }),
+            [1, column] if column >= 0 && fits(n, column as usize, k) => {
+                Some(Weight::ColumnMajor {
+                    data,
+                    column: column as usize,
+                })
+            }
+            _ => None,
+        }
+    }
+
+    /// `x·W` `[m, n]`, W cut into one band per rayon thread.
+    fn banded<E: Widen>(x: &[f32], m: usize, k: usize, n: usize, weight: Weight<E>) -> Vec<f32> {
+        // Below a quarter million weights waking the pool costs more than it saves.
         let threads = match k * n < 1 << 18 {
             true => 1,
             false => rayon::current_num_threads(),
         };
-        let y = match weight {
-            _ if threads == 1 => product(xs, m, k, weight, 0..k, 0..n),
+        match weight {
+            _ if threads == 1 => product(x, m, k, weight, 0..k, 0..n),
             Weight::RowMajor { .. } => {
                 // Partial products over bands of W's rows, then their sum.
                 let band = k.div_ceil(threads).next_multiple_of(4);
                 let bands: Vec<_> = (0..k).step_by(band).map(|i| i..(i + band).min(k)).collect();
                 bands
                     .into_par_iter()
-                    .map(|rows| product(xs, m, k, weight, rows, 0..n))
+                    .map(|rows| product(x, m, k, weight, rows, 0..n))
                     .reduce_with(|mut a, b| {
                         a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
                         a
@@ -169,7 +231,7 @@ pub(crate) mod flex {
                 let bands: Vec<_> = (0..n).step_by(band).map(|j| j..(j + band).min(n)).collect();
                 let parts: Vec<_> = bands
                     .into_par_iter()
-                    .map(|cols| (cols.clone(), product(xs, m, k, weight, 0..k, cols)))
+                    .map(|cols| (cols.clone(), product(x, m, k, weight, 0..k, cols)))
                     .collect();
                 let mut y = vec![0.0f32; m * n];
                 for (cols, part) in parts {
@@ -179,20 +241,16 @@ pub(crate) mod flex {
                 }
                 y
             }
-        };
-        Some(Flex::float_from_data(
-            TensorData::new(y, [m, n]),
-            &x.device(),
-        ))
+        }
     }
 
     /// `x[:, rows]·W[rows, cols]`, `[m, cols.len()]` row-major, compiled for the widest vectors
     /// the CPU has.
-    fn product(
+    fn product<E: Widen>(
         x: &[f32],
         m: usize,
         k: usize,
-        weight: Weight,
+        weight: Weight<E>,
         rows: Range<usize>,
         cols: Range<usize>,
     ) -> Vec<f32> {
@@ -212,11 +270,11 @@ pub(crate) mod flex {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    fn product_avx512(
+    fn product_avx512<E: Widen>(
         x: &[f32],
         m: usize,
         k: usize,
-        weight: Weight,
+        weight: Weight<E>,
         rows: Range<usize>,
         cols: Range<usize>,
     ) -> Vec<f32> {
@@ -225,11 +283,11 @@ pub(crate) mod flex {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    fn product_avx2(
+    fn product_avx2<E: Widen>(
         x: &[f32],
         m: usize,
         k: usize,
-        weight: Weight,
+        weight: Weight<E>,
         rows: Range<usize>,
         cols: Range<usize>,
     ) -> Vec<f32> {
@@ -237,11 +295,11 @@ pub(crate) mod flex {
     }
 
     #[inline(always)]
-    fn product_portable(
+    fn product_portable<E: Widen>(
         x: &[f32],
         m: usize,
         k: usize,
-        weight: Weight,
+        weight: Weight<E>,
         rows: Range<usize>,
         cols: Range<usize>,
     ) -> Vec<f32> {
@@ -257,7 +315,10 @@ pub(crate) mod flex {
                         let a = &x[r * k + i..][..4];
                         let ws = w0.iter().zip(w1).zip(w2).zip(w3);
                         for (out, (((w0, w1), w2), w3)) in out.iter_mut().zip(ws) {
-                            *out += a[0] * w0 + a[1] * w1 + a[2] * w2 + a[3] * w3;
+                            *out += a[0] * w0.widen()
+                                + a[1] * w1.widen()
+                                + a[2] * w2.widen()
+                                + a[3] * w3.widen();
                         }
                     }
                     i += 4;
@@ -267,7 +328,7 @@ pub(crate) mod flex {
                     for (r, out) in y.chunks_exact_mut(width).enumerate() {
                         let a = x[r * k + i];
                         for (out, w) in out.iter_mut().zip(wi) {
-                            *out += a * w;
+                            *out += a * w.widen();
                         }
                     }
                 }
@@ -286,18 +347,18 @@ pub(crate) mod flex {
 
     /// ⟨a, b⟩ over sixteen partial sums (vectorised by the compiler), then the tail.
     #[inline(always)]
-    pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    pub(crate) fn dot<E: Widen>(a: &[f32], b: &[E]) -> f32 {
         let mut lanes = [0.0f32; 16];
         let (a16, b16) = (a.chunks_exact(16), b.chunks_exact(16));
         let tail: f32 = a16
             .remainder()
             .iter()
             .zip(b16.remainder())
-            .map(|(a, b)| a * b)
+            .map(|(a, b)| a * b.widen())
             .sum();
         for (a, b) in a16.zip(b16) {
             for l in 0..16 {
-                lanes[l] += a[l] * b[l];
+                lanes[l] += a[l] * b[l].widen();
             }
         }
         lanes.iter().sum::<f32>() + tail

@@ -2,13 +2,14 @@
 //! exactly, on small integers (every partial sum exact in f32, so any misplaced row, column,
 //! band or tail shows), and to f32 rounding on random values; for row-major weights, transposed
 //! ones (a tied head), strided views and bf16 (the plain product's path), 1 to FEW_ROWS rows,
-//! widths and depths off every multiple, on one thread and on more threads than bands; and
-//! `rows::linear` against `Linear::forward`, with and without bias, in values and gradients.
+//! widths and depths off every multiple, on one thread and on more threads than bands; weights
+//! kept in bf16 under f32 rows (inference weights) against the product with their f32 widening;
+//! and `rows::linear` against `Linear::forward`, with and without bias, in values and gradients.
 
 mod common;
 
 use burn::nn::LinearConfig;
-use burn::tensor::{DType, Device, Distribution, Gradients, Tensor, TensorData, s};
+use burn::tensor::{DType, Device, Distribution, FloatDType, Gradients, Tensor, TensorData, s};
 use common::{assert_close, backends};
 use diffzoo_models::rows::{self, FEW_ROWS};
 
@@ -24,23 +25,29 @@ fn integers(rows: usize, cols: usize, seed: usize, device: &Device) -> Tensor<2>
     Tensor::from_data(TensorData::new(values, [rows, cols]), device)
 }
 
-/// Every weight layout the products meet: row-major `[k, n]`, the transpose of a row-major
-/// `[n, k]` (a tied embedding), and a strided slice of a wider one.
-fn layouts(k: usize, n: usize, seed: usize, device: &Device) -> Vec<(&'static str, Tensor<2>)> {
+/// Every weight layout the products meet, stored in `dtype`: row-major `[k, n]`, the transpose
+/// of a row-major `[n, k]` (a tied embedding), and a strided slice of a wider one.
+fn layouts(
+    k: usize,
+    n: usize,
+    seed: usize,
+    dtype: DType,
+    device: &Device,
+) -> Vec<(&'static str, Tensor<2>)> {
+    let stored = |rows, cols| integers(rows, cols, seed, device).cast(dtype);
     vec![
-        ("row-major", integers(k, n, seed, device)),
-        ("transposed", integers(n, k, seed, device).transpose()),
-        (
-            "strided",
-            integers(k, 2 * n, seed, device).slice(s![.., 0..2 * n;2]),
-        ),
+        ("row-major", stored(k, n)),
+        ("transposed", stored(n, k).transpose()),
+        ("strided", stored(k, 2 * n).slice(s![.., 0..2 * n;2])),
     ]
 }
 
-/// `rows_matmul(x, w)` has the plain product's shape and every one of its values.
+/// `rows::matmul(x, w)` has the shape, dtype and every value of the plain product of x with w
+/// cast to x's dtype.
 fn assert_same_product(what: &str, x: &Tensor<2>, w: Tensor<2>) {
-    let ours = rows::rows_matmul(x.clone(), w.clone());
-    let plain = x.clone().matmul(w);
+    let ours = rows::matmul(x.clone(), w.clone());
+    let plain = x.clone().matmul(w.cast(x.dtype()));
+    assert_eq!(ours.dtype(), plain.dtype(), "{what}");
     assert_eq!(ours.dims(), plain.dims(), "{what}");
     assert_eq!(
         ours.into_data().try_into_vec::<f32>().unwrap(),
@@ -55,8 +62,30 @@ fn few_row_products_equal_the_plain_product_exactly_on_integers() {
         for (k, n) in SHAPES {
             for m in 1..=FEW_ROWS {
                 let x = integers(m, k, m, &device);
-                for (layout, w) in layouts(k, n, m + k, &device) {
+                for (layout, w) in layouts(k, n, m + k, DType::F32, &device) {
                     let what = format!("{backend}: {layout} m={m} k={k} n={n}");
+                    assert_same_product(&what, &x, w);
+                }
+            }
+        }
+    }
+}
+
+/// Integers are exact in bf16, so the product with weights kept in bf16 equals the f32 one
+/// exactly: for 1 to FEW_ROWS rows (the kernel, widening as it reads) and one more (the plain
+/// product of the cast weight).
+#[test]
+fn bf16_weights_are_read_as_the_f32_they_widen_to() {
+    for (backend, device) in backends() {
+        if !device.supports_dtype(FloatDType::BF16) {
+            continue;
+        }
+        for (k, n) in SHAPES {
+            for m in 1..=FEW_ROWS + 1 {
+                let x = integers(m, k, m, &device);
+                for (layout, w) in layouts(k, n, m + k, DType::BF16, &device) {
+                    assert_eq!(w.dtype(), DType::BF16);
+                    let what = format!("{backend}: bf16 {layout} m={m} k={k} n={n}");
                     assert_same_product(&what, &x, w);
                 }
             }
@@ -75,9 +104,11 @@ fn bands_cover_the_weight_on_any_number_of_threads() {
         pool.install(|| {
             for (k, n) in [(5, 3), (515, 515), (1030, 257)] {
                 let x = integers(2, k, threads, &device);
-                for (layout, w) in layouts(k, n, threads, &device) {
-                    let what = format!("{threads} threads: {layout} k={k} n={n}");
-                    assert_same_product(&what, &x, w);
+                for dtype in [DType::F32, DType::BF16] {
+                    for (layout, w) in layouts(k, n, threads, dtype, &device) {
+                        let what = format!("{threads} threads: {dtype:?} {layout} k={k} n={n}");
+                        assert_same_product(&what, &x, w);
+                    }
                 }
             }
         });
