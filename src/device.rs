@@ -156,6 +156,19 @@ fn start(spec: &str, device: Device) -> Result<Device> {
     )
 }
 
+/// Whether the device reads weight matrices kept in bf16 while computing in f32 (`--dtype bf16`):
+/// the CPU's Flex backend (its few-row products widen them as they stream), LibTorch and CUDA
+/// (a cast per product). NdArray has no bf16 tensors and WGSL no bf16 type.
+pub fn reads_bf16_weights(spec: &str) -> bool {
+    matches!(split(spec), Ok(("flex" | "tch" | "tch-cuda" | "cuda", _)))
+        || (spec == "cpu" && cfg!(feature = "flex"))
+}
+
+/// Whether the device is the CPU's Flex backend.
+pub fn is_flex(spec: &str) -> bool {
+    spec == "flex" || (spec == "cpu" && cfg!(feature = "flex"))
+}
+
 /// The device a device string names, unchecked.
 fn named(spec: &str) -> Result<Device> {
     match split(spec)? {

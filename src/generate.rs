@@ -23,6 +23,7 @@
 
 use crate::chat::{self, Message, Template};
 use crate::hf::GENERATION_CONFIG;
+use crate::run::WeightDtype;
 use crate::{device, run};
 use anyhow::{Result, anyhow, bail};
 use burn::tensor::Device;
@@ -88,6 +89,11 @@ pub struct GenerateArgs {
     pub seed: u64,
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// The dtype the weight matrices are kept in while computing in f32 (default: bf16 for a run
+    /// whose weights are stored in bf16, on the CPU backend; else f32). bf16 halves the bytes
+    /// each decoded token reads.
+    #[arg(long, value_enum)]
+    pub dtype: Option<WeightDtype>,
     /// Print one JSON object (each prompt's tokens, text and ending; the timings) instead of the
     /// text.
     #[arg(long)]
@@ -97,6 +103,8 @@ pub struct GenerateArgs {
 #[derive(Debug, Serialize)]
 struct Output {
     weights: String,
+    /// The dtype the weight matrices were kept in.
+    dtype: WeightDtype,
     generations: Vec<Generation>,
     timings: Timings,
 }
@@ -203,11 +211,12 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             rows.len()
         );
     }
+    let dtype = WeightDtype::resolve(args.dtype, &args.run, &args.device)?;
     let device = device::parse(&args.device)?;
-    let (model, weights) = run::load_model(&args.run, &recipe, &device)?;
+    let (model, weights) = run::load_model_as(&args.run, &recipe, &device, dtype)?;
     let stream_one = !args.json && rows.len() == 1;
     if stream_one {
-        eprintln!("({weights})");
+        eprintln!("({weights}; weights in {dtype})");
         print!("{}", texts[0]);
     }
     for _ in 0..args.warmup {
@@ -254,6 +263,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     if args.json {
         let out = Output {
             weights: weights.to_string(),
+            dtype,
             generations,
             timings,
         };
@@ -439,11 +449,12 @@ fn chat(
 ) -> Result<()> {
     use std::io::BufRead;
     let template = Template::find(&args.run)?;
+    let dtype = WeightDtype::resolve(args.dtype, &args.run, &args.device)?;
     let device = device::parse(&args.device)?;
-    let (model, weights) = run::load_model(&args.run, recipe, &device)?;
+    let (model, weights) = run::load_model_as(&args.run, recipe, &device, dtype)?;
     let context = recipe.model_config().max_seq_len;
     eprintln!(
-        "({weights}; chat template {}; an empty line ends)",
+        "({weights}; weights in {dtype}; chat template {}; an empty line ends)",
         template.origin()
     );
     let mut conversation: Vec<Message> = args

@@ -20,6 +20,7 @@
 //!                      and end-of-turn ids; see [`COMPANIONS`])
 //! ```
 
+use crate::device;
 use crate::recipe::{self, Recipe};
 use crate::train::checkpoint::{self, Verified};
 use crate::train::step::Trainee;
@@ -364,6 +365,70 @@ pub fn load_model(run: &Path, recipe: &Recipe, device: &Device) -> Result<(Model
     let (model, weights) = load_weights(run, &recipe.model_config(), device)?;
     let scale = lambda_scale(run, recipe, &weights)?;
     Ok((model.with_lambda_scale(scale), weights))
+}
+
+/// The dtype a loaded model keeps its weight matrices in (`--dtype`); it computes in f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightDtype {
+    F32,
+    /// Half the bytes a decoding step reads, each weight rounded to 8 bits of mantissa.
+    Bf16,
+}
+
+impl WeightDtype {
+    /// `asked`, else the dtype the run's weight file stores its matrices in where the device is
+    /// the CPU's Flex backend (bf16 for `import hf --dtype bf16` and a pure-bf16 run), else
+    /// f32. bf16 on a device that cannot read it is an error naming the device.
+    pub fn resolve(asked: Option<Self>, run: &Path, device: &str) -> Result<Self> {
+        match asked {
+            Some(Self::Bf16) if !device::reads_bf16_weights(device) => bail!(
+                "--dtype bf16: device `{device}` does not read bf16 weights (NdArray has no bf16 \
+                 tensors, WGSL no bf16 type); use --device cpu, tch or cuda:N, or --dtype f32"
+            ),
+            Some(dtype) => Ok(dtype),
+            None if device::is_flex(device) && stored_in_bf16(run)? => Ok(Self::Bf16),
+            None => Ok(Self::F32),
+        }
+    }
+}
+
+/// Whether the weights `run` loads ([`find_weights`]) store their matrices in bf16, as the
+/// file's header says.
+fn stored_in_bf16(run: &Path) -> Result<bool> {
+    use burn::store::burn_pack::{DType, Reader};
+    let weights = find_weights(run)?;
+    let file = weights.file();
+    let tensors = Reader::from_file_exact(file)
+        .and_then(Reader::into_tensors)
+        .map_err(|e| damaged(run, &weights, &e.to_string()))?;
+    Ok(tensors
+        .iter()
+        .any(|t| t.shape.num_dims() == 2 && t.dtype == DType::BF16))
+}
+
+impl std::fmt::Display for WeightDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        })
+    }
+}
+
+/// [`load_model`] with the weight matrices kept in `dtype` ([`Model::with_weight_dtype`]).
+pub fn load_model_as(
+    run: &Path,
+    recipe: &Recipe,
+    device: &Device,
+    dtype: WeightDtype,
+) -> Result<(Model, Weights)> {
+    let (model, weights) = load_model(run, recipe, device)?;
+    let model = match dtype {
+        WeightDtype::F32 => model,
+        WeightDtype::Bf16 => model.with_weight_dtype(burn::tensor::FloatDType::BF16),
+    };
+    Ok((model, weights))
 }
 
 /// The scale of λ the run's `weights` compute with: 1 without a warm-up

@@ -1593,6 +1593,75 @@ fn mixed_precision_tracks_f32_closer_than_pure_bf16(device: &str) {
         .unwrap();
         assert!(ppl["loss"].as_f64().unwrap().is_finite(), "{precision}");
     }
+    bf16_inference_weights(tmp.path(), device);
+}
+
+/// Weights kept in bf16 for inference (`--dtype`) on `device`, over the runs of
+/// [`mixed_precision_tracks_f32_closer_than_pure_bf16`]: the f32 run's validation loss with its
+/// matrices rounded to bf16 moves, by less than 1e-2; the pure-bf16 run, whose weights are bf16
+/// already, generates the same tokens either way and reads them in bf16 by default on Flex.
+fn bf16_inference_weights(runs: &Path, device: &str) {
+    let run = |name: &str| runs.join(name);
+    let loss = |dtype: &str| {
+        let out: Value = serde_json::from_str(&ok(&[
+            "eval",
+            "ppl",
+            "--run",
+            path(&run("f32")),
+            "--device",
+            device,
+            "--dtype",
+            dtype,
+            "--max-batches",
+            "2",
+            "--json",
+        ]))
+        .unwrap();
+        out["loss"].as_f64().unwrap()
+    };
+    let gap = (loss("bf16") - loss("f32")).abs();
+    assert!(
+        gap > 0.0 && gap < 1e-2,
+        "{device}: bf16 weights move the loss by {gap}"
+    );
+    let pure = run("bf16-pure");
+    let generate = |extra: &[&str]| -> Value {
+        let mut args = vec![
+            "generate",
+            "--run",
+            path(&pure),
+            "--device",
+            device,
+            "--prompt",
+            "ROMEO:",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--ignore-eot",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        serde_json::from_str(&ok(&args)).unwrap()
+    };
+    let (default, f32) = (generate(&[]), generate(&["--dtype", "f32"]));
+    let want = if device == "flex" { "bf16" } else { "f32" };
+    assert_eq!(default["dtype"], want, "{device}");
+    assert_eq!(f32["dtype"], "f32", "{device}");
+    assert_eq!(default["generations"], f32["generations"], "{device}");
+    let err = fails(&[
+        "generate",
+        "--run",
+        path(&pure),
+        "--device",
+        "ndarray",
+        "--dtype",
+        "bf16",
+    ]);
+    assert!(
+        err.contains("--dtype bf16: device `ndarray` does not read bf16 weights"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -200,6 +200,41 @@ fn transformers_checkpoints_import_to_their_nll_on_every_backend() {
     let want = matrix(&json(&fixture("llama_gqa.nll.json"))["nll"]);
     let got = nll(&bf16, &fixture("llama_gqa.tokens.json"), "flex");
     assert_nll_close("llama_gqa as bf16", &got, &want, NLL_TOLERANCE);
+    // On Flex a bf16 import keeps its weight matrices in bf16 at run time (read widened to f32):
+    // the greedy tokens of the same weights in f32.
+    let llama3 = tmp.path().join("llama3-bf16");
+    ok(&[
+        "import",
+        "hf",
+        path(&fixture("llama3_tied")),
+        "--out",
+        path(&llama3),
+        "--dtype",
+        "bf16",
+    ]);
+    let generate = |extra: &[&str]| -> Value {
+        let mut args = vec![
+            "generate",
+            "--run",
+            path(&llama3),
+            "--prompt",
+            "hello",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--ignore-eot",
+            "--json",
+            "--device",
+            "flex",
+        ];
+        args.extend_from_slice(extra);
+        serde_json::from_str(&ok(&args)).expect("JSON output")
+    };
+    let (kept, widened) = (generate(&[]), generate(&["--dtype", "f32"]));
+    assert_eq!(kept["dtype"], "bf16", "{kept}");
+    assert_eq!(widened["dtype"], "f32", "{widened}");
+    assert_eq!(kept["generations"], widened["generations"]);
 }
 
 /// The families' imports say what they ignored (and record it), keep the tokenizer's chat

@@ -186,7 +186,7 @@ impl Measurement for AttentionAllocation {
 
 pub fn run(args: &AttentionArgs) -> Result<()> {
     let each = |dir: &Path| {
-        let loaded = Loaded::open(dir, &args.common.device)?;
+        let loaded = Loaded::open(dir, &args.common.device, args.common.dtype)?;
         measure(
             &loaded,
             args.needles,

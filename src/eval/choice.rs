@@ -26,7 +26,7 @@
 
 use super::seeds::{self, Measurement, Metric};
 use super::{Common, emit, id_tensor, target_log_probs};
-use crate::{device, run};
+use crate::run;
 use anyhow::{Context, Result, anyhow, bail};
 use burn::tensor::{Device, Tensor};
 use diffzoo_datasets::TextTokenizer;
@@ -84,7 +84,7 @@ pub fn run(args: &ChoiceArgs) -> Result<()> {
         .map(|file| read_questions(file, args.limit))
         .collect::<Result<_>>()?;
     let common = &args.common;
-    let each = |dir: &Path| measure(dir, &common.device, &args.data, &sets);
+    let each = |dir: &Path| measure(dir, common, &args.data, &sets);
     if seeds::over_seeds(common, "choice", None, each)? {
         return Ok(());
     }
@@ -116,14 +116,13 @@ impl Measurement for ChoiceResult {
 /// The accuracy of the run in `dir` on each file's questions.
 fn measure(
     dir: &Path,
-    device: &str,
+    common: &super::Common,
     data: &[PathBuf],
     sets: &[Vec<Question>],
 ) -> Result<ChoiceResult> {
     let recipe = run::run_recipe(dir)?;
     let tokenizer = run::run_tokenizer(dir)?;
-    let device = device::parse(device)?;
-    let (model, weights) = run::load_model(dir, &recipe, &device)?;
+    let (model, weights, device) = super::load(dir, &recipe, &common.device, common.dtype)?;
     let mut files = Vec::with_capacity(sets.len());
     for (file, questions) in data.iter().zip(sets) {
         let mut correct = Vec::with_capacity(questions.len());

@@ -226,7 +226,7 @@ impl Side {
     fn open(run: &Path, device: &str) -> Result<Self> {
         let seeds = seeds_of(run)?;
         let dir = seeds.first().map_or(run, PathBuf::as_path).to_path_buf();
-        let loaded = Loaded::open(&dir, device)?;
+        let loaded = Loaded::open(&dir, device, None)?;
         Ok(Self { seeds, dir, loaded })
     }
 }
@@ -291,7 +291,7 @@ fn measure(args: &CompareArgs, plan: &Plan, side: &Side, name: &str) -> Result<R
         } else {
             step(&format!("validation loss of {}", seed.display()));
             ppl::measure(
-                &Loaded::open(seed, &args.device)?,
+                &Loaded::open(seed, &args.device, None)?,
                 None,
                 Some(args.max_batches),
             )?

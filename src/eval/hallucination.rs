@@ -29,8 +29,8 @@ use super::seeds::{self, Measurement, Metric};
 use super::{Common, emit};
 use crate::chat::{Message, NoTemplate, Template};
 use crate::generate::{Ends, greedy};
+use crate::run;
 use crate::stats::{self, Estimate};
-use crate::{device, run};
 use anyhow::{Context, Result, anyhow, bail};
 use burn::tensor::Device;
 use diffzoo_datasets::{TextTokenizer, fill};
@@ -227,8 +227,7 @@ fn measure(
     judge: &JudgeSpec,
     dir: &Path,
 ) -> Result<HallucinationResult> {
-    let device = device::parse(&args.common.device)?;
-    let model = Generator::open(dir, &device)?;
+    let model = Generator::open(dir, &args.common)?;
     let mut outputs = Vec::with_capacity(tasks.len());
     for task in tasks {
         let output = model
@@ -243,7 +242,7 @@ fn measure(
         ),
         JudgeSpec::Run(judge_dir) => (
             judge_dir.display().to_string(),
-            run_verdicts(judge_dir, &args.kind, tasks, &outputs, &device)?,
+            run_verdicts(judge_dir, &args.kind, tasks, &outputs, &args.common)?,
         ),
     };
     let supported: Vec<bool> = verdicts.iter().map(|(s, _)| *s).collect();
@@ -283,7 +282,8 @@ struct Generator {
 }
 
 impl Generator {
-    fn open(dir: &Path, device: &Device) -> Result<Self> {
+    /// The run at `dir` on `common`'s device, its weight matrices in `common`'s dtype.
+    fn open(dir: &Path, common: &super::Common) -> Result<Self> {
         let recipe = run::run_recipe(dir)?;
         let tokenizer = run::run_tokenizer(dir)?;
         let template = match Template::find(dir) {
@@ -292,14 +292,14 @@ impl Generator {
             Err(NoTemplate::Invalid(e)) => return Err(e),
         };
         let ends = Ends::of(dir, &tokenizer)?;
-        let (model, weights) = run::load_model(dir, &recipe, device)?;
+        let (model, weights, device) = super::load(dir, &recipe, &common.device, common.dtype)?;
         Ok(Self {
             model,
             tokenizer,
             template,
             ends,
             weights,
-            device: device.clone(),
+            device,
         })
     }
 
@@ -444,9 +444,9 @@ fn run_verdicts(
     kind: &str,
     tasks: &[Task],
     outputs: &[String],
-    device: &Device,
+    common: &super::Common,
 ) -> Result<Vec<(bool, Option<[f64; 2]>)>> {
-    let judge = Generator::open(dir, device)?;
+    let judge = Generator::open(dir, common)?;
     let answers: Vec<Vec<u32>> = [" True", " False"]
         .iter()
         .map(|a| judge.tokenizer.encode(a))
@@ -485,7 +485,7 @@ fn run_verdicts(
                     context.len()
                 );
             }
-            let scores = log_likelihoods(&judge.model, &context, &answers, device);
+            let scores = log_likelihoods(&judge.model, &context, &answers, &judge.device);
             Ok((scores[0] >= scores[1], Some([scores[0], scores[1]])))
         })
         .collect()

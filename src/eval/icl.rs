@@ -28,8 +28,8 @@
 use super::choice::continue_scores;
 use super::seeds::{self, Measurement, Metric};
 use super::{Common, emit, id_tensor};
+use crate::run;
 use crate::stats::{self, Estimate};
-use crate::{device, run};
 use anyhow::{Result, anyhow, bail};
 use burn::tensor::Device;
 use diffzoo_datasets::{Rng, TextTokenizer};
@@ -298,8 +298,8 @@ impl Setup<'_> {
     fn measure(&self, dir: &Path) -> Result<IclResult> {
         let recipe = run::run_recipe(dir)?;
         let tokenizer = run::run_tokenizer(dir)?;
-        let device = device::parse(&self.args.common.device)?;
-        let (model, weights) = run::load_model(dir, &recipe, &device)?;
+        let common = &self.args.common;
+        let (model, weights, device) = super::load(dir, &recipe, &common.device, common.dtype)?;
         let tokens = self.tokenize(&tokenizer)?;
         let capacity = model.cache().capacity();
         let pool = permutation(self.demos.len(), self.args.seed);
@@ -773,6 +773,7 @@ mod tests {
             common: Common {
                 run: PathBuf::new(),
                 device: "cpu".into(),
+                dtype: None,
                 json: false,
             },
             data: PathBuf::new(),

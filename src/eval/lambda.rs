@@ -166,7 +166,12 @@ impl Measurement for Lambdas {
 }
 
 pub fn run(args: &LambdaArgs) -> Result<()> {
-    let each = |dir: &Path| measure(&Loaded::open(dir, &args.common.device)?, dir);
+    let each = |dir: &Path| {
+        measure(
+            &Loaded::open(dir, &args.common.device, args.common.dtype)?,
+            dir,
+        )
+    };
     if seeds::over_seeds(&args.common, "lambda", args.plot.as_ref(), each)? {
         return Ok(());
     }

@@ -32,6 +32,7 @@ pub mod quant;
 pub mod recall;
 pub mod seeds;
 
+use crate::run::WeightDtype;
 use crate::{device, recipe::Recipe, run};
 use anyhow::{Context, Result, anyhow, bail};
 use burn::data::dataloader::batcher::Batcher;
@@ -50,6 +51,10 @@ pub struct Common {
     pub run: PathBuf,
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// The dtype the weight matrices are kept in while computing in f32 (default: bf16 for a run
+    /// whose weights are stored in bf16, on the CPU backend; else f32).
+    #[arg(long, value_enum)]
+    pub dtype: Option<WeightDtype>,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -66,13 +71,14 @@ pub struct Loaded {
 }
 
 impl Loaded {
-    pub fn open(run_dir: &Path, device: &str) -> Result<Self> {
+    /// The run's model on `device`, its weight matrices in `dtype` (None: [`WeightDtype::resolve`]'s
+    /// default).
+    pub fn open(run_dir: &Path, device: &str, dtype: Option<WeightDtype>) -> Result<Self> {
         let recipe = run::run_recipe(run_dir)?;
         let tokenizer = run::run_tokenizer(run_dir)?;
         let shards = run::open_data(&recipe)?.1;
         shards.check_tokenizer(tokenizer.hash())?;
-        let device = device::parse(device)?;
-        let (model, weights) = run::load_model(run_dir, &recipe, &device)?;
+        let (model, weights, device) = load(run_dir, &recipe, device, dtype)?;
         Ok(Self {
             recipe,
             tokenizer,
@@ -180,6 +186,20 @@ impl Loaded {
         let loss = per_window.iter().sum::<f64>() / per_window.len() as f64;
         Ok((loss, tokens, per_window))
     }
+}
+
+/// The model of the run at `dir` on the device `spec` names, its weight matrices in `dtype`
+/// (None: [`WeightDtype::resolve`]'s default).
+pub fn load(
+    dir: &Path,
+    recipe: &Recipe,
+    spec: &str,
+    dtype: Option<WeightDtype>,
+) -> Result<(Model, run::Weights, Device)> {
+    let dtype = WeightDtype::resolve(dtype, dir, spec)?;
+    let device = device::parse(spec)?;
+    let (model, weights) = run::load_model_as(dir, recipe, &device, dtype)?;
+    Ok((model, weights, device))
 }
 
 /// Per-token negative log-likelihoods `[B, S]` (f32) of `targets` under `model`.

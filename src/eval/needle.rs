@@ -468,7 +468,7 @@ impl Measurement for Retrieval {
 
 pub fn run(args: &NeedleArgs) -> Result<()> {
     let each = |dir: &Path| {
-        let loaded = Loaded::open(dir, &args.common.device)?;
+        let loaded = Loaded::open(dir, &args.common.device, args.common.dtype)?;
         measure(&loaded, &args.grid.resolve(&loaded)?)
     };
     if seeds::over_seeds(&args.common, "needle", args.plot.as_ref(), each)? {

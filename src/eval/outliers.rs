@@ -161,7 +161,12 @@ impl Measurement for Outliers {
 }
 
 pub fn run(args: &OutlierArgs) -> Result<()> {
-    let each = |dir: &Path| measure(&Loaded::open(dir, &args.common.device)?, args.tokens);
+    let each = |dir: &Path| {
+        measure(
+            &Loaded::open(dir, &args.common.device, args.common.dtype)?,
+            args.tokens,
+        )
+    };
     if seeds::over_seeds(&args.common, "outliers", None, each)? {
         return Ok(());
     }

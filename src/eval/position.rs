@@ -132,7 +132,12 @@ impl Measurement for NllByPosition {
 }
 
 pub fn run(args: &PositionArgs) -> Result<()> {
-    let each = |dir: &Path| measure(&Loaded::open(dir, &args.common.device)?, args.windows);
+    let each = |dir: &Path| {
+        measure(
+            &Loaded::open(dir, &args.common.device, args.common.dtype)?,
+            args.windows,
+        )
+    };
     if seeds::over_seeds(&args.common, "nll-position", args.plot.as_ref(), each)? {
         return Ok(());
     }

@@ -3,7 +3,7 @@
 //! without any tokenizer).
 
 use super::{Common, Loaded, emit, f64_values, id_tensor, seeds_of, target_log_probs};
-use crate::{device, run, stats};
+use crate::{run, stats};
 use anyhow::{Context, Result, anyhow, bail};
 use diffzoo_datasets::Shards;
 use diffzoo_models::Model;
@@ -79,7 +79,7 @@ pub fn run(args: &PplArgs) -> Result<()> {
     if !seeds.is_empty() {
         return over_seeds(args, &seeds);
     }
-    let loaded = Loaded::open(&args.common.run, &args.common.device)?;
+    let loaded = Loaded::open(&args.common.run, &args.common.device, args.common.dtype)?;
     let result = measure(&loaded, args.data.as_ref(), args.max_batches)?;
     let scope = match (args.max_batches, &args.data) {
         (Some(n), _) => format!("at most {n} batches of the validation split"),
@@ -112,7 +112,7 @@ pub struct SeedPerplexity {
 fn over_seeds(args: &PplArgs, seeds: &[PathBuf]) -> Result<()> {
     let mut measured = Vec::with_capacity(seeds.len());
     for seed in seeds {
-        let loaded = Loaded::open(seed, &args.common.device)?;
+        let loaded = Loaded::open(seed, &args.common.device, args.common.dtype)?;
         measured.push(measure(&loaded, args.data.as_ref(), args.max_batches)?);
     }
     let losses: Vec<f64> = measured.iter().map(|p| p.loss).collect();
@@ -158,8 +158,7 @@ fn score_tokens(common: &Common, path: &Path) -> Result<()> {
     let recipe = run::run_recipe(&common.run)?;
     let config = recipe.model_config();
     let sequences = read_tokens(path, config.vocab_size, config.max_seq_len)?;
-    let device = device::parse(&common.device)?;
-    let (model, weights) = run::load_model(&common.run, &recipe, &device)?;
+    let (model, weights, device) = super::load(&common.run, &recipe, &common.device, common.dtype)?;
     let nll: Vec<Vec<f64>> = sequences
         .iter()
         .map(|ids| sequence_nll(&model, ids, &device))

@@ -154,7 +154,7 @@ impl Measurement for Quantization {
 pub fn run(args: &QuantArgs) -> Result<()> {
     let each = |dir: &Path| {
         measure(
-            &Loaded::open(dir, &args.common.device)?,
+            &Loaded::open(dir, &args.common.device, args.common.dtype)?,
             &args.bits,
             args.max_batches,
             args.needle.then_some(&args.grid),

@@ -109,7 +109,7 @@ pub fn run(args: &RecallArgs) -> Result<()> {
     };
     let mut measured: Vec<Seed> = Vec::with_capacity(dirs.len());
     for dir in &dirs {
-        let loaded = Loaded::open(dir, &args.common.device)?;
+        let loaded = Loaded::open(dir, &args.common.device, args.common.dtype)?;
         let cells = measure(&loaded, args).with_context(|| format!("{}", dir.display()))?;
         measured.push(Seed {
             weights: loaded.weights.to_string(),
