@@ -131,9 +131,10 @@ impl DiffV2Attention {
         // Both heads of a pair read the same values, so the output is this map applied to them.
         let effective = self.differentiate(probs.clone(), lambda.clone());
         let o = probs.clone().matmul(v);
-        let out = self
-            .o_proj
-            .forward(merge_heads(self.differentiate(o, lambda.clone())));
+        let out = rows::linear(
+            &self.o_proj,
+            merge_heads(self.differentiate(o, lambda.clone())),
+        );
         let probe = AttentionProbe {
             logits,
             probs,

@@ -85,9 +85,10 @@ impl TransformerAttention {
         let n_rep = self.heads / self.kv_heads;
         let logits = causal_logits(q, repeat_kv(k, n_rep), self.logit_bits, None);
         let probs = softmax(logits.clone(), 3);
-        let out = self
-            .o_proj
-            .forward(merge_heads(probs.clone().matmul(repeat_kv(v, n_rep))));
+        let out = rows::linear(
+            &self.o_proj,
+            merge_heads(probs.clone().matmul(repeat_kv(v, n_rep))),
+        );
         let probe = AttentionProbe {
             logits,
             effective: probs.clone(),
