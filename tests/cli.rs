@@ -1657,6 +1657,8 @@ fn bf16_inference_weights(runs: &Path, device: &str) {
         "ndarray",
         "--dtype",
         "bf16",
+        "--max-tokens",
+        "8",
     ]);
     assert!(
         err.contains("--dtype bf16: device `ndarray` does not read bf16 weights"),
