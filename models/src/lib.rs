@@ -14,6 +14,7 @@
 //! | parameter counts, FLOPs, KV cache size | [`budget`] |
 //! | incremental decoding (KV cache) | [`cache`] |
 //! | decoding's few-row products, split across threads | [`rows`] |
+//! | the threads that stay awake between those products | [`team`] |
 //! | per-block activation recomputation | [`recompute`] |
 //! | a pretrained baseline converted to DIFF V1 or V2 | [`convert`] |
 //! | mixed precision's bf16 compute copy of f32 masters | [`precision`] |
@@ -36,6 +37,7 @@ pub mod model;
 pub mod precision;
 pub mod recompute;
 pub mod rows;
+pub mod team;
 
 pub use analysis::{AbsAccumulator, AbsStats, Allocation, LayerStats, allocation};
 pub use attention::{Attention, AttentionProbe};

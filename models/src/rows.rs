@@ -120,7 +120,7 @@ pub(crate) mod flex {
     use burn::backend::{Flex, TensorMetadata};
     use burn::tensor::{DType, TensorData, bf16};
     use core::ops::Range;
-    use rayon::prelude::*;
+    use std::sync::OnceLock;
 
     /// A weight's element, read as the f32 it is or widens to exactly.
     pub(crate) trait Widen: Copy + Send + Sync {
@@ -206,7 +206,7 @@ pub(crate) mod flex {
     /// `x·W` `[m, n]`, W cut into one band per rayon thread.
     fn banded<E: Widen>(x: &[f32], m: usize, k: usize, n: usize, weight: Weight<E>) -> Vec<f32> {
         // Below a quarter million weights waking the pool costs more than it saves.
-        let threads = match k * n < 1 << 18 {
+        let threads = match k * n < 1 << 16 {
             true => 1,
             false => rayon::current_num_threads(),
         };
@@ -216,10 +216,10 @@ pub(crate) mod flex {
                 // Partial products over bands of W's rows, then their sum.
                 let band = k.div_ceil(threads).next_multiple_of(4);
                 let bands: Vec<_> = (0..k).step_by(band).map(|i| i..(i + band).min(k)).collect();
-                bands
-                    .into_par_iter()
-                    .map(|rows| product(x, m, k, weight, rows, 0..n))
-                    .reduce_with(|mut a, b| {
+                let parts = on_team(&bands, |rows| product(x, m, k, weight, rows, 0..n));
+                parts
+                    .into_iter()
+                    .reduce(|mut a, b| {
                         a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
                         a
                     })
@@ -229,12 +229,9 @@ pub(crate) mod flex {
                 // Bands of W's columns, each a slice of y's columns.
                 let band = n.div_ceil(threads).max(1);
                 let bands: Vec<_> = (0..n).step_by(band).map(|j| j..(j + band).min(n)).collect();
-                let parts: Vec<_> = bands
-                    .into_par_iter()
-                    .map(|cols| (cols.clone(), product(x, m, k, weight, 0..k, cols)))
-                    .collect();
+                let parts = on_team(&bands, |cols| product(x, m, k, weight, 0..k, cols));
                 let mut y = vec![0.0f32; m * n];
-                for (cols, part) in parts {
+                for (cols, part) in bands.into_iter().zip(parts) {
                     for (r, part) in part.chunks_exact(cols.len()).enumerate() {
                         y[r * n + cols.start..][..cols.len()].copy_from_slice(part);
                     }
@@ -242,6 +239,22 @@ pub(crate) mod flex {
                 y
             }
         }
+    }
+
+    /// `band(b)` for every band, in order, computed on the [`crate::team`].
+    fn on_team(
+        bands: &[Range<usize>],
+        band: impl Fn(Range<usize>) -> Vec<f32> + Sync,
+    ) -> Vec<Vec<f32>> {
+        let slots: Vec<OnceLock<Vec<f32>>> = bands.iter().map(|_| OnceLock::new()).collect();
+        crate::team::run(bands.len(), &|b| {
+            // Each part runs once (team::run), so its slot is empty.
+            let _ = slots[b].set(band(bands[b].clone()));
+        });
+        slots
+            .into_iter()
+            .map(|slot| slot.into_inner().expect("team::run runs every part"))
+            .collect()
     }
 
     /// `x[:, rows]·W[rows, cols]`, `[m, cols.len()]` row-major, compiled for the widest vectors
@@ -345,22 +358,35 @@ pub(crate) mod flex {
         y
     }
 
-    /// ⟨a, b⟩ over sixteen partial sums (vectorised by the compiler), then the tail.
+    /// ⟨a, b⟩ over sixteen partial sums (vectorised by the compiler) added pairwise, then the
+    /// tail. Plain loops: an iterator's `sum` or `collect` may be compiled out of line, without
+    /// the caller's vector instructions.
     #[inline(always)]
     pub(crate) fn dot<E: Widen>(a: &[f32], b: &[E]) -> f32 {
         let mut lanes = [0.0f32; 16];
         let (a16, b16) = (a.chunks_exact(16), b.chunks_exact(16));
-        let tail: f32 = a16
-            .remainder()
-            .iter()
-            .zip(b16.remainder())
-            .map(|(a, b)| a * b.widen())
-            .sum();
+        let mut tail = 0.0;
+        for (a, b) in a16.remainder().iter().zip(b16.remainder()) {
+            tail += a * b.widen();
+        }
         for (a, b) in a16.zip(b16) {
+            // Fixed-size chunks: one vector of sixteen lanes (AVX-512), not the pairs of lanes
+            // LLVM made of the slices when inlined into the attention.
+            let (a, b): (&[f32; 16], &[E; 16]) = match (a.try_into(), b.try_into()) {
+                (Ok(a), Ok(b)) => (a, b),
+                _ => unreachable!("chunks_exact(16) yields 16 elements"),
+            };
             for l in 0..16 {
                 lanes[l] += a[l] * b[l].widen();
             }
         }
-        lanes.iter().sum::<f32>() + tail
+        let mut width = 16;
+        while width > 1 {
+            width /= 2;
+            for l in 0..width {
+                lanes[l] += lanes[l + width];
+            }
+        }
+        lanes[0] + tail
     }
 }
