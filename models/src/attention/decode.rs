@@ -10,9 +10,9 @@
 //!
 //! the numbers of [`super::grouped_causal_attention`]'s explicit path. That path spends most of
 //! a decoding step's attention in matmul calls of three rows and in mask, softmax and layout
-//! passes, all on one thread; here each (sequence, head, position) is one task, on rayon's
-//! threads from a quarter million multiply-adds (on the calling thread below), that reads its kv
-//! head's keys and values once, in place. Only Flex in f32 with contiguous last dimensions and
+//! passes, all on one thread; here each (sequence, kv head, position) is one task, on the threads
+//! of [`crate::team`] from a quarter million multiply-adds (on the calling thread below), that reads its kv
+//! head's keys and values once for all its query heads, in place. Only Flex in f32 with contiguous last dimensions and
 //! the shapes above takes it: [`attention`] answers `None` for everything else, autodiff
 //! included.
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
@@ -90,7 +90,7 @@ mod flex {
     use burn::backend::tensor::{BoolTensor, FloatTensor};
     use burn::backend::{Flex, TensorMetadata};
     use burn::tensor::{DType, TensorData};
-    use rayon::prelude::*;
+    use std::sync::Mutex;
 
     /// A 4-d tensor's f32 elements by index (`None` unless f32 with a contiguous last dimension).
     struct View<'a> {
@@ -166,33 +166,48 @@ mod flex {
         let masked = |bi: usize, i: usize, j: usize| flags[start + bi * sb + i * si + j * sj] != 0;
         let scale = 1.0 / (d as f32).sqrt();
         let mut out = vec![0.0f32; b * h * s * d_v];
-        let attend = |(row, o): (usize, &mut [f32])| {
-            let (bi, hi, i) = (row / (h * s), row / s % h, row % s);
-            let g = hi / n_rep;
-            let head = Head {
-                query: qs.row(bi, hi, i),
+        // Output rows `[b, h, i]`, each written by the one task of its kv group.
+        let rows: Vec<Mutex<&mut [f32]>> = out.chunks_mut(d_v).map(Mutex::new).collect();
+        // One task per (sequence, kv head, position): its n_rep query heads read each key and
+        // value once.
+        let group = |task: usize| {
+            let (bi, g, i) = (task / (h_kv * s), task / s % h_kv, task % s);
+            let heads = g * n_rep..(g + 1) * n_rep;
+            let head = Group {
+                queries: heads.clone().map(|hi| qs.row(bi, hi, i)).collect(),
                 key: |j| ks.row(bi, g, j),
                 value: |j| vs.row(bi, g, j),
                 masked: |j| masked(bi, i, j),
                 keys: t,
                 scale,
             };
-            head.attend(o);
+            let mut outs: Vec<_> = heads
+                .map(|hi| {
+                    rows[(bi * h + hi) * s + i]
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                })
+                .collect();
+            let mut outs: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut ***o).collect();
+            head.attend(&mut outs);
         };
-        // Below a quarter million multiply-adds waking the pool costs more than it saves.
+        // Below a quarter million multiply-adds handing tasks to other threads costs more than
+        // it saves; above, they go to the team that runs decoding's products.
+        let tasks = b * h_kv * s;
         match b * h * s * t * (d + d_v) < 1 << 18 {
-            true => out.chunks_mut(d_v).enumerate().for_each(attend),
-            false => out.par_chunks_mut(d_v).enumerate().for_each(attend),
+            true => (0..tasks).for_each(group),
+            false => crate::team::run(tasks, &group),
         }
+        drop(rows);
         Some(Flex::float_from_data(
             TensorData::new(out, [b, h, s, d_v]),
             &q.device(),
         ))
     }
 
-    /// One query row over its kv head's `keys` positions.
-    struct Head<'a, K, V, M> {
-        query: &'a [f32],
+    /// The query rows of one kv head's query heads (n_rep under GQA) over its `keys` positions.
+    struct Group<'a, K, V, M> {
+        queries: Vec<&'a [f32]>,
         key: K,
         value: V,
         masked: M,
@@ -200,58 +215,73 @@ mod flex {
         scale: f32,
     }
 
-    impl<'a, K, V, M> Head<'a, K, V, M>
+    impl<'a, K, V, M> Group<'a, K, V, M>
     where
         K: Fn(usize) -> &'a [f32],
         V: Fn(usize) -> &'a [f32],
         M: Fn(usize) -> bool,
     {
-        /// Adds the attention output to `o` (zeros), compiled for the widest vectors the CPU has.
-        fn attend(&self, o: &mut [f32]) {
+        /// Adds each query's attention output to its row of `outs` (zeros), compiled for the
+        /// widest vectors the CPU has.
+        fn attend(&self, outs: &mut [&mut [f32]]) {
             #[cfg(target_arch = "x86_64")]
             {
                 if std::arch::is_x86_feature_detected!("avx512f") {
                     // SAFETY: the CPU has AVX-512F (checked above).
-                    return unsafe { self.attend_avx512(o) };
+                    return unsafe { self.attend_avx512(outs) };
                 }
                 if std::arch::is_x86_feature_detected!("avx2") {
                     // SAFETY: the CPU has AVX2 (checked above).
-                    return unsafe { self.attend_avx2(o) };
+                    return unsafe { self.attend_avx2(outs) };
                 }
             }
-            self.attend_portable(o)
+            self.attend_portable(outs)
         }
 
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx512f")]
-        fn attend_avx512(&self, o: &mut [f32]) {
-            self.attend_portable(o)
+        fn attend_avx512(&self, outs: &mut [&mut [f32]]) {
+            self.attend_portable(outs)
         }
 
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx2")]
-        fn attend_avx2(&self, o: &mut [f32]) {
-            self.attend_portable(o)
+        fn attend_avx2(&self, outs: &mut [&mut [f32]]) {
+            self.attend_portable(outs)
         }
 
         #[inline(always)]
-        fn attend_portable(&self, o: &mut [f32]) {
-            let mut p: Vec<f32> = (0..self.keys)
-                .map(|j| match (self.masked)(j) {
-                    true => f32::NEG_INFINITY,
-                    false => dot(self.query, (self.key)(j)) * self.scale,
-                })
-                .collect();
-            let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0;
-            for p in &mut p {
-                *p = (*p - max).exp();
-                sum += *p;
+        fn attend_portable(&self, outs: &mut [&mut [f32]]) {
+            // Plain loops: an iterator's `collect` or `fold` may be compiled out of line, without
+            // this function's vector instructions. Logits `[query, key]`.
+            let (n, keys) = (self.queries.len(), self.keys);
+            let mut p = vec![0.0f32; n * keys];
+            let mut max = vec![f32::NEG_INFINITY; n];
+            for j in 0..keys {
+                let (masked, key) = ((self.masked)(j), (self.key)(j));
+                for (r, query) in self.queries.iter().enumerate() {
+                    let l = match masked {
+                        true => f32::NEG_INFINITY,
+                        false => dot(query, key) * self.scale,
+                    };
+                    p[r * keys + j] = l;
+                    max[r] = max[r].max(l);
+                }
             }
-            for (j, p) in p.iter().enumerate() {
-                let w = p / sum;
-                for (o, v) in o.iter_mut().zip((self.value)(j)) {
-                    *o += w * v;
+            let mut sum = vec![0.0f32; n];
+            for (r, p) in p.chunks_exact_mut(keys).enumerate() {
+                for p in p {
+                    *p = (*p - max[r]).exp();
+                    sum[r] += *p;
+                }
+            }
+            for j in 0..keys {
+                let value = (self.value)(j);
+                for (r, o) in outs.iter_mut().enumerate() {
+                    let w = p[r * keys + j] / sum[r];
+                    for (o, v) in o.iter_mut().zip(value) {
+                        *o += w * v;
+                    }
                 }
             }
         }
