@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Generation at a real model's shape: a random Llama of SmolLM2-135M's shape
+# (bench/smollm2_shape.py, saved by transformers), imported twice (`diffzoo import hf`, f32 and
+# `--dtype bf16`), decoded greedily by `diffzoo generate --temperature 0 --ignore-eot --warmup 1
+# --json` with f32 and bf16 weights (median of 3 runs each) beside transformers' `generate` on
+# the same weights (bench/generate_hf.py, f32), for a short and a long prompt, in one run.
+# One JSON line per prompt and weight dtype in target/bench-generate-135m.jsonl, with
+# diffzoo / transformers ratios and whether the greedy tokens are transformers'.
+#   bash bench/generate_135m.sh [NEW_TOKENS] [LONG_PROMPT_REPEATS]
+# DIFFZOO names the binary (default: a release build); DIFFZOO_PYTHON a Python with torch and
+# transformers (default: target/torch-venv/bin/python, made by `bash .ci/setup hf`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+new_tokens=${1:-64}
+repeats=${2:-60}
+reps=3
+threads=${THREADS:-$(nproc)}
+diffzoo=${DIFFZOO:-}
+if [ -z "$diffzoo" ]; then
+    cargo build --release
+    diffzoo=${CARGO_TARGET_DIR:-target}/release/diffzoo
+fi
+python=${DIFFZOO_PYTHON:-target/torch-venv/bin/python}
+work=target/bench-generate-135m
+out=target/bench-generate-135m.jsonl
+rm -rf "$work"
+mkdir -p "$work"
+: > "$out"
+export RAYON_NUM_THREADS=$threads OMP_NUM_THREADS=$threads
+# The tokenizer: the tiny recipe's, through a one-step run exported for transformers.
+"$diffzoo" train --recipe tiny --out "$work/tiny" --no-dashboard --set training.steps=1 \
+    --set schedule.warmup_steps=0 >/dev/null
+"$diffzoo" export hf "$work/tiny" --out "$work/tiny-hf" >/dev/null
+"$python" bench/smollm2_shape.py "$work/tiny-hf" "$work/hf" >&2
+"$diffzoo" import hf "$work/hf" --out "$work/f32" >/dev/null
+"$diffzoo" import hf "$work/hf" --out "$work/bf16" --dtype bf16 >/dev/null
+short="Two households, both alike in dignity, In fair Verona, where we lay our scene, "
+long=$(for _ in $(seq "$repeats"); do printf '%s' "$short"; done)
+cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs)
+for name in short long; do
+    prompt=${!name}
+    "$python" bench/generate_hf.py "$work/hf" --prompt "$prompt" --max-tokens "$new_tokens" \
+        --threads "$threads" --reps "$reps" | tail -n 1 > "$work/$name-theirs.json"
+    for dtype in f32 bf16; do
+        for _ in $(seq "$reps"); do
+            "$diffzoo" generate --run "$work/$dtype" --prompt "$prompt" --max-tokens "$new_tokens" \
+                --temperature 0 --ignore-eot --warmup 1 --dtype "$dtype" --json
+        done | jq -s '{
+            prompt_tokens: .[0].timings.prompt_tokens,
+            tokens: .[0].generations[0].tokens,
+            prefill: ([.[].timings.prefill_tokens_per_sec] | sort | .[length / 2 | floor]),
+            decode: ([.[].timings.decode_tokens_per_sec] | sort | .[length / 2 | floor]),
+            decode_min: ([.[].timings.decode_tokens_per_sec] | min),
+            decode_max: ([.[].timings.decode_tokens_per_sec] | max)
+        }' > "$work/$name-$dtype.json"
+        jq -c -n --arg prompt "$name" --arg dtype "$dtype" --arg cpu "$cpu" \
+            --slurpfile ours "$work/$name-$dtype.json" --slurpfile theirs "$work/$name-theirs.json" '
+            $ours[0] as $o | $theirs[0] as $t | {
+                prompt: $prompt, weights: $dtype, cpu: $cpu, threads: $t.threads,
+                transformers: $t.transformers, prompt_tokens: $o.prompt_tokens,
+                same_prompt: ($o.prompt_tokens == $t.prompt_tokens),
+                new_tokens: ($o.tokens | length), same_tokens: ($o.tokens == $t.tokens),
+                prefill_tps: $o.prefill, decode_tps: $o.decode,
+                decode_tps_range: [$o.decode_min, $o.decode_max],
+                hf_prefill_tps: $t.prefill_tokens_per_sec, hf_decode_tps: $t.decode_tokens_per_sec,
+                prefill_vs_hf: ($o.prefill / $t.prefill_tokens_per_sec),
+                decode_vs_hf: ($o.decode / $t.decode_tokens_per_sec)
+            }' | tee -a "$out"
+    done
+done
