@@ -8,8 +8,9 @@
 //! Such a product does 2·m·k·n flops for the k·n weights it reads: it is bound by memory
 //! bandwidth, and one core does not saturate it. Flex runs most such products on one thread (its
 //! gemm parallelises only products of 192³ multiply-adds or more), so on Flex, in f32, the weight
-//! is cut into one contiguous band per rayon thread, each band streamed once (weights below a
-//! quarter million stay on the calling thread: waking the pool would cost more):
+//! is cut into one contiguous band per rayon thread, each band streamed once on the threads of
+//! [`crate::team`] (weights below 65,536 stay on the calling thread: handing them over would cost
+//! more):
 //! - `W` row-major (a linear layer's `[d_in, d_out]` weight): bands of W's rows I, each giving a
 //!   partial product `x_r,I·W_I,:` (four rows of W per pass over the outputs), then their sum;
 //! - `W` column-major (the transpose of a tied embedding `[vocab, d]`): bands of W's columns J,
@@ -205,7 +206,7 @@ pub(crate) mod flex {
 
     /// `x·W` `[m, n]`, W cut into one band per rayon thread.
     fn banded<E: Widen>(x: &[f32], m: usize, k: usize, n: usize, weight: Weight<E>) -> Vec<f32> {
-        // Below a quarter million weights waking the pool costs more than it saves.
+        // Below 65,536 weights handing bands to other threads costs more than it saves.
         let threads = match k * n < 1 << 16 {
             true => 1,
             false => rayon::current_num_threads(),

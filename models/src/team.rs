@@ -33,15 +33,25 @@ type Job<'a> = &'a (dyn Fn(usize) + Sync);
 /// the others finished.
 pub fn run(parts: usize, job: &(dyn Fn(usize) + Sync)) {
     use rayon::prelude::*;
+    use std::sync::TryLockError;
+    // Inside a rayon pool: its threads, as many as it was asked for (and the team, sized by the
+    // global pool on its first call from outside one, is not made here).
+    if rayon::current_thread_index().is_some() {
+        return (0..parts).into_par_iter().for_each(job);
+    }
     let team = team();
-    let alone = parts <= 1 || parts > MAX_PARTS || team.helpers == 0;
-    let caller = match alone || rayon::current_thread_index().is_some() {
-        true => None,
-        false => team.caller.try_lock().ok(),
+    if parts <= 1 || team.helpers == 0 {
+        return (0..parts).for_each(job);
+    }
+    let caller = match team.caller.try_lock() {
+        Ok(caller) => Some(caller),
+        // A part's panic, resumed in its caller, poisoned the lock; the team is sound.
+        Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
     };
     match caller {
-        Some(_caller) => team.run(parts, job),
-        None => (0..parts).into_par_iter().for_each(job),
+        Some(_caller) if parts <= MAX_PARTS => team.run(parts, job),
+        _ => (0..parts).into_par_iter().for_each(job),
     }
 }
 

@@ -1,7 +1,7 @@
 //! The team of threads that runs decoding's few-row products (`team::run`): every part of every
 //! job runs exactly once — from one caller, from callers racing for the team (the losers run on
-//! rayon), after the helpers have parked — helpers take parts, and a part's panic reaches the
-//! caller and leaves the team working. One test: the checks share the process's one team and
+//! rayon), after the helpers have parked — a part's panic reaches the caller, and helpers take
+//! parts after it. One test: the checks share the process's one team and
 //! must not race each other's timing.
 
 use diffzoo_models::team;
@@ -47,6 +47,22 @@ fn every_part_runs_once_helpers_take_parts_and_panics_reach_the_caller() {
     std::thread::sleep(team::SPIN * 20);
     assert_eq!(runs(7, |_| {}), vec![1; 7]);
 
+    // A part's panic is resumed in the caller once the others ran; the team goes on
+    // (its helpers take parts below).
+    let ran = AtomicUsize::new(0);
+    let caught = catch_unwind(AssertUnwindSafe(|| {
+        team::run(6, &|p| {
+            ran.fetch_add(1, Ordering::Relaxed);
+            assert_ne!(p, 2, "part 2 fails");
+        })
+    }));
+    let message = caught
+        .err()
+        .and_then(|e| e.downcast_ref::<String>().cloned());
+    assert!(message.is_some_and(|m| m.contains("part 2 fails")));
+    assert_eq!(ran.into_inner(), 6);
+    assert_eq!(runs(5, |_| {}), vec![1; 5]);
+
     // Parts long enough for a helper to claim some (on a machine with more than one thread).
     let names = Mutex::new(BTreeSet::new());
     for _ in 0..20 {
@@ -64,16 +80,4 @@ fn every_part_runs_once_helpers_take_parts_and_panics_reach_the_caller() {
             "no part ran on a helper: {names:?}"
         );
     }
-
-    // A part's panic is resumed in the caller once the others ran; the team goes on.
-    let ran = AtomicUsize::new(0);
-    let caught = catch_unwind(AssertUnwindSafe(|| {
-        team::run(6, &|p| {
-            ran.fetch_add(1, Ordering::Relaxed);
-            assert_ne!(p, 2, "part 2 fails");
-        })
-    }));
-    assert!(caught.is_err());
-    assert_eq!(ran.into_inner(), 6);
-    assert_eq!(runs(5, |_| {}), vec![1; 5]);
 }

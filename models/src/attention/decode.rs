@@ -155,6 +155,7 @@ mod flex {
             || h_kv == 0
             || h % h_kv != 0
             || d_v == 0
+            || t == 0
             || strides.iter().any(|&s| s < 0)
         {
             return None;
