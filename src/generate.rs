@@ -23,8 +23,8 @@
 
 use crate::chat::{self, Message, Template};
 use crate::hf::GENERATION_CONFIG;
+use crate::run;
 use crate::run::WeightDtype;
-use crate::{device, run};
 use anyhow::{Result, anyhow, bail};
 use burn::tensor::Device;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -211,9 +211,8 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             rows.len()
         );
     }
-    let dtype = WeightDtype::resolve(args.dtype, &args.run, &args.device)?;
-    let device = device::parse(&args.device)?;
-    let (model, weights) = run::load_model_as(&args.run, &recipe, &device, dtype)?;
+    let (model, weights, device, dtype) =
+        run::load_model_on(&args.run, &recipe, &args.device, args.dtype)?;
     let stream_one = !args.json && rows.len() == 1;
     if stream_one {
         eprintln!("({weights}; weights in {dtype})");
@@ -449,9 +448,8 @@ fn chat(
 ) -> Result<()> {
     use std::io::BufRead;
     let template = Template::find(&args.run)?;
-    let dtype = WeightDtype::resolve(args.dtype, &args.run, &args.device)?;
-    let device = device::parse(&args.device)?;
-    let (model, weights) = run::load_model_as(&args.run, recipe, &device, dtype)?;
+    let (model, weights, device, dtype) =
+        run::load_model_on(&args.run, recipe, &args.device, args.dtype)?;
     let context = recipe.model_config().max_seq_len;
     eprintln!(
         "({weights}; weights in {dtype}; chat template {}; an empty line ends)",

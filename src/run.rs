@@ -416,19 +416,23 @@ impl std::fmt::Display for WeightDtype {
     }
 }
 
-/// [`load_model`] with the weight matrices kept in `dtype` ([`Model::with_weight_dtype`]).
-pub fn load_model_as(
+/// [`load_model`] on the device `spec` names, the weight matrices kept in `asked`
+/// ([`Model::with_weight_dtype`]; None: [`WeightDtype::resolve`]'s default): the model, its
+/// weights, the device and the dtype the matrices are in.
+pub fn load_model_on(
     run: &Path,
     recipe: &Recipe,
-    device: &Device,
-    dtype: WeightDtype,
-) -> Result<(Model, Weights)> {
-    let (model, weights) = load_model(run, recipe, device)?;
+    spec: &str,
+    asked: Option<WeightDtype>,
+) -> Result<(Model, Weights, Device, WeightDtype)> {
+    let dtype = WeightDtype::resolve(asked, run, spec)?;
+    let device = device::parse(spec)?;
+    let (model, weights) = load_model(run, recipe, &device)?;
     let model = match dtype {
         WeightDtype::F32 => model,
         WeightDtype::Bf16 => model.with_weight_dtype(burn::tensor::FloatDType::BF16),
     };
-    Ok((model, weights))
+    Ok((model, weights, device, dtype))
 }
 
 /// The scale of λ the run's `weights` compute with: 1 without a warm-up

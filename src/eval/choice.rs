@@ -122,7 +122,8 @@ fn measure(
 ) -> Result<ChoiceResult> {
     let recipe = run::run_recipe(dir)?;
     let tokenizer = run::run_tokenizer(dir)?;
-    let (model, weights, device) = super::load(dir, &recipe, &common.device, common.dtype)?;
+    let (model, weights, device, _) =
+        run::load_model_on(dir, &recipe, &common.device, common.dtype)?;
     let mut files = Vec::with_capacity(sets.len());
     for (file, questions) in data.iter().zip(sets) {
         let mut correct = Vec::with_capacity(questions.len());

@@ -292,7 +292,8 @@ impl Generator {
             Err(NoTemplate::Invalid(e)) => return Err(e),
         };
         let ends = Ends::of(dir, &tokenizer)?;
-        let (model, weights, device) = super::load(dir, &recipe, &common.device, common.dtype)?;
+        let (model, weights, device, _) =
+            run::load_model_on(dir, &recipe, &common.device, common.dtype)?;
         Ok(Self {
             model,
             tokenizer,

@@ -299,7 +299,8 @@ impl Setup<'_> {
         let recipe = run::run_recipe(dir)?;
         let tokenizer = run::run_tokenizer(dir)?;
         let common = &self.args.common;
-        let (model, weights, device) = super::load(dir, &recipe, &common.device, common.dtype)?;
+        let (model, weights, device, _) =
+            run::load_model_on(dir, &recipe, &common.device, common.dtype)?;
         let tokens = self.tokenize(&tokenizer)?;
         let capacity = model.cache().capacity();
         let pool = permutation(self.demos.len(), self.args.seed);

@@ -33,7 +33,7 @@ pub mod recall;
 pub mod seeds;
 
 use crate::run::WeightDtype;
-use crate::{device, recipe::Recipe, run};
+use crate::{recipe::Recipe, run};
 use anyhow::{Context, Result, anyhow, bail};
 use burn::data::dataloader::batcher::Batcher;
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -78,7 +78,7 @@ impl Loaded {
         let tokenizer = run::run_tokenizer(run_dir)?;
         let shards = run::open_data(&recipe)?.1;
         shards.check_tokenizer(tokenizer.hash())?;
-        let (model, weights, device) = load(run_dir, &recipe, device, dtype)?;
+        let (model, weights, device, _) = run::load_model_on(run_dir, &recipe, device, dtype)?;
         Ok(Self {
             recipe,
             tokenizer,
@@ -186,20 +186,6 @@ impl Loaded {
         let loss = per_window.iter().sum::<f64>() / per_window.len() as f64;
         Ok((loss, tokens, per_window))
     }
-}
-
-/// The model of the run at `dir` on the device `spec` names, its weight matrices in `dtype`
-/// (None: [`WeightDtype::resolve`]'s default).
-pub fn load(
-    dir: &Path,
-    recipe: &Recipe,
-    spec: &str,
-    dtype: Option<WeightDtype>,
-) -> Result<(Model, run::Weights, Device)> {
-    let dtype = WeightDtype::resolve(dtype, dir, spec)?;
-    let device = device::parse(spec)?;
-    let (model, weights) = run::load_model_as(dir, recipe, &device, dtype)?;
-    Ok((model, weights, device))
 }
 
 /// Per-token negative log-likelihoods `[B, S]` (f32) of `targets` under `model`.

@@ -158,7 +158,8 @@ fn score_tokens(common: &Common, path: &Path) -> Result<()> {
     let recipe = run::run_recipe(&common.run)?;
     let config = recipe.model_config();
     let sequences = read_tokens(path, config.vocab_size, config.max_seq_len)?;
-    let (model, weights, device) = super::load(&common.run, &recipe, &common.device, common.dtype)?;
+    let (model, weights, device, _) =
+        run::load_model_on(&common.run, &recipe, &common.device, common.dtype)?;
     let nll: Vec<Vec<f64>> = sequences
         .iter()
         .map(|ids| sequence_nll(&model, ids, &device))
