@@ -371,12 +371,6 @@ pub(crate) mod flex {
             tail += a * b.widen();
         }
         for (a, b) in a16.zip(b16) {
-            // Fixed-size chunks: one vector of sixteen lanes (AVX-512), not the pairs of lanes
-            // LLVM made of the slices when inlined into the attention.
-            let (a, b): (&[f32; 16], &[E; 16]) = match (a.try_into(), b.try_into()) {
-                (Ok(a), Ok(b)) => (a, b),
-                _ => unreachable!("chunks_exact(16) yields 16 elements"),
-            };
             for l in 0..16 {
                 lanes[l] += a[l] * b[l].widen();
             }

@@ -11,10 +11,10 @@
 //! the numbers of [`super::grouped_causal_attention`]'s explicit path. That path spends most of
 //! a decoding step's attention in matmul calls of three rows and in mask, softmax and layout
 //! passes, all on one thread; here each (sequence, kv head, position) is one task, on the threads
-//! of [`crate::team`] from a quarter million multiply-adds (on the calling thread below), that reads its kv
-//! head's keys and values once for all its query heads, in place. Only Flex in f32 with contiguous last dimensions and
-//! the shapes above takes it: [`attention`] answers `None` for everything else, autodiff
-//! included.
+//! of [`crate::team`] from a quarter million multiply-adds (on the calling thread below), that
+//! reads its kv head's keys and values once for all its query heads, in place. Only Flex in f32
+//! with contiguous last dimensions and the shapes above takes it: [`attention`] answers `None`
+//! for everything else, autodiff included.
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
 #![allow(deprecated)]
 
