@@ -16,8 +16,10 @@
 //! - `W` column-major (the transpose of a tied embedding `[vocab, d]`): bands of W's columns J,
 //!   `y_rj = ⟨x_r, W_:,j⟩` for j in J, a dot product over a contiguous row of the embedding.
 //!
-//! Sums are in f32 in another order than gemm's: results agree with the plain product to f32
-//! rounding. Every other backend, dtype, layout, or more rows, takes the plain product.
+//! On a CPU with AVX-512 the bands are computed with its intrinsics (sixteen lanes per fused
+//! multiply-add), the next group of W's rows or columns asked for before it is read; elsewhere by
+//! loops the compiler vectorises. Sums are in f32 in another order than gemm's: results agree
+//! with the plain product to f32 rounding. Every other backend, dtype, layout, or more rows, takes the plain product.
 //!
 //! The weight may be in another dtype than `x` (inference weights kept in bf16,
 //! [`crate::Model::with_weight_dtype`]): `y = x·f32(W)`. The kernel widens each bf16 weight as it
@@ -126,12 +128,26 @@ pub(crate) mod flex {
     /// A weight's element, read as the f32 it is or widens to exactly.
     pub(crate) trait Widen: Copy + Send + Sync {
         fn widen(self) -> f32;
+
+        /// The sixteen elements from `p`, widened, in one AVX-512 register.
+        ///
+        /// # Safety
+        /// Sixteen elements from `p` are readable, and the caller runs with AVX-512F.
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn load16(p: *const Self) -> core::arch::x86_64::__m512;
     }
 
     impl Widen for f32 {
         #[inline(always)]
         fn widen(self) -> f32 {
             self
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        unsafe fn load16(p: *const Self) -> core::arch::x86_64::__m512 {
+            // SAFETY: the caller's contract.
+            unsafe { core::arch::x86_64::_mm512_loadu_ps(p) }
         }
     }
 
@@ -140,6 +156,17 @@ pub(crate) mod flex {
         #[inline(always)]
         fn widen(self) -> f32 {
             f32::from_bits(u32::from(self.to_bits()) << 16)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        unsafe fn load16(p: *const Self) -> core::arch::x86_64::__m512 {
+            use core::arch::x86_64::*;
+            // SAFETY: the caller's contract; sixteen bf16 are 256 bits.
+            unsafe {
+                let halves = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(halves))
+            }
         }
     }
 
@@ -282,6 +309,12 @@ pub(crate) mod flex {
         product_portable(x, m, k, weight, rows, cols)
     }
 
+    /// The product with AVX-512 intrinsics, sixteen f32 lanes per fused multiply-add (bf16
+    /// weights widened in register), asking for the next group of W's rows or columns before it
+    /// is read: a row of a `[1536, 576]` weight is 18 cache lines in bf16, too short a stream for
+    /// the hardware prefetcher to start on its own (measured: 20–30 GB/s without, 35–49 with, on
+    /// two cores of an Intel Xeon). The compiler vectorises the portable dot of bf16 weights four
+    /// lanes wide.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
     fn product_avx512<E: Widen>(
@@ -292,7 +325,124 @@ pub(crate) mod flex {
         rows: Range<usize>,
         cols: Range<usize>,
     ) -> Vec<f32> {
-        product_portable(x, m, k, weight, rows, cols)
+        match weight {
+            Weight::RowMajor { data, row } => row_major_avx512(x, m, k, (data, row), rows, cols),
+            Weight::ColumnMajor { data, column } => {
+                column_major_avx512(x, m, k, (data, column), rows, cols)
+            }
+        }
+    }
+
+    /// Row-major W: four rows of W per pass over each row of y, `y_r,J += Σ_g x_r,i+g·W_i+g,J`
+    /// for sixteen columns J at a time, then the columns past the last sixteen.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    fn row_major_avx512<E: Widen>(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        (data, row): (&[E], usize),
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) -> Vec<f32> {
+        use core::arch::x86_64::*;
+        const G: usize = 4;
+        let width = cols.len();
+        let full = width - width % 16;
+        let mut y = vec![0.0f32; m * width];
+        let w = |i: usize| &data[i * row + cols.start..][..width];
+        let mut i = rows.start;
+        while i < rows.end {
+            let group = (rows.end - i).min(G);
+            // A short last group repeats its last row with a zero factor.
+            let ws: [&[E]; G] = core::array::from_fn(|g| w(i + g.min(group - 1)));
+            for r in 0..m {
+                let a: [__m512; G] = core::array::from_fn(|g| match g < group {
+                    true => _mm512_set1_ps(x[r * k + i + g]),
+                    false => _mm512_setzero_ps(),
+                });
+                let out = &mut y[r * width..][..width];
+                for j in (0..full).step_by(16) {
+                    if r == 0 {
+                        prefetch(ws.map(|w| w.as_ptr().wrapping_add(G * row + j)));
+                    }
+                    // SAFETY: j + 16 ≤ full ≤ width, the length of `out` and of every `ws[g]`.
+                    unsafe {
+                        let mut acc = _mm512_loadu_ps(out.as_ptr().add(j));
+                        for g in 0..G {
+                            acc = _mm512_fmadd_ps(a[g], E::load16(ws[g].as_ptr().add(j)), acc);
+                        }
+                        _mm512_storeu_ps(out.as_mut_ptr().add(j), acc);
+                    }
+                }
+                for j in full..width {
+                    for g in 0..group {
+                        out[j] += x[r * k + i + g] * ws[g][j].widen();
+                    }
+                }
+            }
+            i += group;
+        }
+        y
+    }
+
+    /// Column-major W: four columns of W at a time, each `y_rj = ⟨x_r,rows, W_rows,j⟩` in sixteen
+    /// lanes summed at the end, plus the terms past the last sixteen.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    fn column_major_avx512<E: Widen>(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        (data, column): (&[E], usize),
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) -> Vec<f32> {
+        use core::arch::x86_64::*;
+        const G: usize = 4;
+        let (width, len) = (cols.len(), rows.len());
+        let full = len - len % 16;
+        let mut y = vec![0.0f32; m * width];
+        let w = |j: usize| &data[j * column + rows.start..][..len];
+        let mut c = 0;
+        while c < width {
+            let group = (width - c).min(G);
+            // A short last group repeats its last column; only `group` sums are kept.
+            let ws: [&[E]; G] = core::array::from_fn(|g| w(cols.start + c + g.min(group - 1)));
+            for r in 0..m {
+                let xr = &x[r * k + rows.start..][..len];
+                let mut acc = [_mm512_setzero_ps(); G];
+                for i in (0..full).step_by(16) {
+                    if r == 0 {
+                        prefetch(ws.map(|w| w.as_ptr().wrapping_add(G * column + i)));
+                    }
+                    // SAFETY: i + 16 ≤ full ≤ len, the length of `xr` and of every `ws[g]`.
+                    unsafe {
+                        let xv = _mm512_loadu_ps(xr.as_ptr().add(i));
+                        for g in 0..G {
+                            acc[g] = _mm512_fmadd_ps(xv, E::load16(ws[g].as_ptr().add(i)), acc[g]);
+                        }
+                    }
+                }
+                for g in 0..group {
+                    let tail: f32 = (full..len).map(|i| xr[i] * ws[g][i].widen()).sum();
+                    y[r * width + c + g] = _mm512_reduce_add_ps(acc[g]) + tail;
+                }
+            }
+            c += group;
+        }
+        y
+    }
+
+    /// Asks for the cache lines at `next` (prefetching reads nothing: any address will do).
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn prefetch<E, const N: usize>(next: [*const E; N]) {
+        use core::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        for p in next {
+            // SAFETY: a prefetch neither reads nor faults.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) };
+        }
     }
 
     #[cfg(target_arch = "x86_64")]
