@@ -7,6 +7,7 @@
 //! |---|---|
 //! | decoder, pre-norm blocks, RMSNorm, RoPE | [`model`] |
 //! | SwiGLU | [`feed_forward`] |
+//! | RMSNorm and RoPE in one pass each (Flex, inference) | [`fused`] |
 //! | memory-efficient attention (FlashAttention-2, custom backward) | [`attention::flash`] |
 //! | baseline attention | [`attention::TransformerAttention`] |
 //! | DIFF V1, eq. 1–3, λ, λ_init, subln | [`attention::DiffAttention`] |
@@ -33,6 +34,7 @@ pub mod cache;
 pub mod config;
 pub mod convert;
 pub mod feed_forward;
+pub mod fused;
 pub mod model;
 pub mod precision;
 pub mod recompute;

@@ -13,6 +13,7 @@ use crate::attention::{Attention, AttentionProbe, projection};
 use crate::cache::{KvCache, LayerCache, assert_room};
 use crate::config::{AttentionImpl, ModelConfig};
 use crate::feed_forward::SwiGlu;
+use crate::fused::rms_norm;
 use crate::precision::{compute_copy, weight_matrices_in};
 use crate::rows;
 use burn::module::Module;
@@ -66,17 +67,17 @@ impl Block {
         rope: &RotaryEncoding,
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
-        let h = x.clone() + self.attn.run(self.attn_norm.forward(x), rope, cache);
-        h.clone() + self.ffn.forward(self.ffn_norm.forward(h))
+        let h = x.clone() + self.attn.run(rms_norm(&self.attn_norm, x), rope, cache);
+        h.clone() + self.ffn.forward(rms_norm(&self.ffn_norm, h))
     }
 
     fn forward_probe(&self, x: Tensor<3>, rope: &RotaryEncoding) -> (Tensor<3>, AttentionProbe) {
         let (a, probe) = self
             .attn
-            .forward_probe(self.attn_norm.forward(x.clone()), rope);
+            .forward_probe(rms_norm(&self.attn_norm, x.clone()), rope);
         let h = x + a;
         (
-            h.clone() + self.ffn.forward(self.ffn_norm.forward(h)),
+            h.clone() + self.ffn.forward(rms_norm(&self.ffn_norm, h)),
             probe,
         )
     }
@@ -280,7 +281,7 @@ impl Model {
     /// The final norm and the head, computing in `compute` from copies of their weights
     /// ([`crate::precision`]; `None`: their own).
     pub(crate) fn head_in(&self, h: Tensor<3>, compute: Option<FloatDType>) -> Tensor<3> {
-        let h = compute_copy(&self.norm, compute).forward(h);
+        let h = rms_norm(&compute_copy(&self.norm, compute), h);
         match &self.lm_head {
             Some(head) => rows::linear(&compute_copy(head, compute), h),
             None => {

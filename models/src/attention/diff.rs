@@ -30,6 +30,7 @@ use super::{
 };
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig, lambda_init};
+use crate::fused::rms_norm;
 use crate::rows;
 use burn::module::{Module, Param};
 use burn::nn::{Initializer, Linear, RmsNorm, RmsNormConfig, RotaryEncoding};
@@ -136,7 +137,7 @@ impl DiffAttention {
 
     /// `(1 − λ_init)·subln(heads)`, merged and projected.
     fn output(&self, heads: Tensor<4>) -> Tensor<3> {
-        let heads = self.subln.forward(heads).mul_scalar(1.0 - self.lambda_init);
+        let heads = rms_norm(&self.subln, heads).mul_scalar(1.0 - self.lambda_init);
         rows::linear(&self.o_proj, merge_heads(heads))
     }
 

@@ -16,7 +16,7 @@ pub use transformer::TransformerAttention;
 
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, AttentionKind, ModelConfig};
-use crate::rows;
+use crate::{fused, rows};
 use burn::module::Module;
 use burn::nn::{Initializer, Linear, LinearConfig, RotaryEncoding};
 use burn::tensor::activation::softmax;
@@ -177,40 +177,6 @@ pub(crate) fn split_heads(x: Tensor<3>, heads: usize) -> Tensor<4> {
     x.reshape([b, s, heads, width / heads]).swap_dims(1, 2)
 }
 
-/// `[B, S, heads·d]` at positions `start..start + S` → RoPE-rotated heads `[B, heads, S, d]`.
-/// Adjacent pairs (GPT-J layout) turn by position t times θᵢ:
-///
-/// ```text
-/// out[2i]   = x[2i]·cos(tθᵢ) − x[2i+1]·sin(tθᵢ)
-/// out[2i+1] = x[2i+1]·cos(tθᵢ) + x[2i]·sin(tθᵢ)
-/// ```
-///
-/// i.e. `x ⊙ cos + swap(x) ⊙ (∓sin)` with `swap` exchanging each pair, computed in the
-/// projection's own `[B, S, heads, d]` layout from the tables of Burn's `RotaryEncoding` (whose
-/// `forward` does the same through a small matmul on a rearranged copy, several times slower).
-pub(crate) fn rotary_heads(
-    x: Tensor<3>,
-    heads: usize,
-    rope: &RotaryEncoding,
-    start: usize,
-) -> Tensor<4> {
-    let [b, s, width] = x.dims();
-    let d = width / heads;
-    let (device, dtype) = (x.device(), x.dtype());
-    // [S, d, 2]: cos and sin of tθᵢ, each repeated for both members of pair i.
-    let table = rope.freq_complex.clone().narrow(0, start, s);
-    let cos = table.clone().narrow(2, 0, 1).reshape([1, s, 1, d]);
-    let sign = Tensor::<1>::from_floats([-1.0, 1.0], &device).reshape([1, 1, 2]);
-    let sin = (table.narrow(2, 1, 1).reshape([s, d / 2, 2]) * sign).reshape([1, s, 1, d]);
-    let x = x.reshape([b, s, heads, d]);
-    let swapped = x
-        .clone()
-        .reshape([b, s, heads, d / 2, 2])
-        .flip([4])
-        .reshape([b, s, heads, d]);
-    (x * cos.cast(dtype) + swapped * sin.cast(dtype)).swap_dims(1, 2)
-}
-
 /// `[B, heads, S, dim]` → `[B, S, heads·dim]`.
 pub(crate) fn merge_heads(x: Tensor<4>) -> Tensor<3> {
     let [b, h, s, dim] = x.dims();
@@ -231,8 +197,8 @@ pub(crate) fn step_qkv(
     cache: Option<&mut LayerCache>,
 ) -> StepQkv {
     let start = cache.as_ref().map_or(0, |c| c.len());
-    let q = rotary_heads(rows::linear(q_proj, x.clone()), q_heads, rope, start);
-    let k = rotary_heads(rows::linear(k_proj, x.clone()), k_heads, rope, start);
+    let q = fused::rotary(rows::linear(q_proj, x.clone()), q_heads, rope, start);
+    let k = fused::rotary(rows::linear(k_proj, x.clone()), k_heads, rope, start);
     let v = split_heads(rows::linear(v_proj, x), v_heads);
     match cache {
         Some(cache) => {

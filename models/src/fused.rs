@@ -1,0 +1,219 @@
+//! RMSNorm and RoPE as the decoder computes them, each in one pass over its rows on Flex:
+//!
+//! ```text
+//! RMSNorm(x) = x / √(mean(x²) + ε) · γ                      (per row, mean over d_model)
+//! RoPE(x)[2i]   = x[2i]·cos(tθᵢ) − x[2i+1]·sin(tθᵢ)          (per head, position t)
+//! RoPE(x)[2i+1] = x[2i+1]·cos(tθᵢ) + x[2i]·sin(tθᵢ)
+//! ```
+//!
+//! Burn's ops spend a dozen passes (and as many tensors) on each: with Flex in f32 a decoding
+//! step at a 135M model's shape made about 50 such small ops per layer. Here each is one pass,
+//! taken by Flex without autodiff for f32 tensors whose last dimension is contiguous; training
+//! (autodiff) and every other backend or dtype take Burn's ops, [`rms_norm_plain`] and
+//! [`rotary_plain`]. RoPE gives the same numbers (the same products and sums in the same order);
+//! RMSNorm's mean of squares is summed in another order than Flex's `mean_dim`: results agree to
+//! f32 rounding.
+// NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
+#![allow(deprecated)]
+
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, backend_extension};
+use burn::nn::{RmsNorm, RotaryEncoding};
+use burn::tensor::Tensor;
+
+/// `norm.forward(x)` for `x` `[.., d_model]`, in one pass where Flex takes it.
+pub fn rms_norm<const D: usize>(norm: &RmsNorm, x: Tensor<D>) -> Tensor<D> {
+    <burn::backend::Dispatch as FusedOps>::rms_norm(
+        x.clone().into_dispatch(),
+        norm.gamma.val().into_dispatch(),
+        norm.epsilon,
+    )
+    .map(Tensor::from_dispatch)
+    .unwrap_or_else(|| rms_norm_plain(norm, x))
+}
+
+/// Burn's RMSNorm (its ops, whatever the backend).
+pub fn rms_norm_plain<const D: usize>(norm: &RmsNorm, x: Tensor<D>) -> Tensor<D> {
+    norm.forward(x)
+}
+
+/// `[B, S, heads·d]` at positions `start..start + S` → RoPE-rotated heads `[B, heads, S, d]`
+/// (adjacent pairs, GPT-J layout, from the tables of Burn's `RotaryEncoding`), in one pass where
+/// Flex takes it.
+pub fn rotary(x: Tensor<3>, heads: usize, rope: &RotaryEncoding, start: usize) -> Tensor<4> {
+    let [b, s, width] = x.dims();
+    let table = rope.freq_complex.clone().narrow(0, start, s);
+    <burn::backend::Dispatch as FusedOps>::rotary(x.clone().into_dispatch(), table.into_dispatch())
+        .map(|y| {
+            Tensor::<3>::from_dispatch(y)
+                .reshape([b, s, heads, width / heads])
+                .swap_dims(1, 2)
+        })
+        .unwrap_or_else(|| rotary_plain(x, heads, rope, start))
+}
+
+/// [`rotary`] by Burn's ops: `x ⊙ cos + swap(x) ⊙ (∓sin)` with `swap` exchanging each pair, in
+/// the projection's own `[B, S, heads, d]` layout (Burn's `RotaryEncoding::forward` does the same
+/// through a small matmul on a rearranged copy, several times slower).
+pub fn rotary_plain(x: Tensor<3>, heads: usize, rope: &RotaryEncoding, start: usize) -> Tensor<4> {
+    let [b, s, width] = x.dims();
+    let d = width / heads;
+    let (device, dtype) = (x.device(), x.dtype());
+    // [S, d, 2]: cos and sin of tθᵢ, each repeated for both members of pair i.
+    let table = rope.freq_complex.clone().narrow(0, start, s);
+    let cos = table.clone().narrow(2, 0, 1).reshape([1, s, 1, d]);
+    let sign = Tensor::<1>::from_floats([-1.0, 1.0], &device).reshape([1, 1, 2]);
+    let sin = (table.narrow(2, 1, 1).reshape([s, d / 2, 2]) * sign).reshape([1, s, 1, d]);
+    let x = x.reshape([b, s, heads, d]);
+    let swapped = x
+        .clone()
+        .reshape([b, s, heads, d / 2, 2])
+        .flip([4])
+        .reshape([b, s, heads, d]);
+    (x * cos.cast(dtype) + swapped * sin.cast(dtype)).swap_dims(1, 2)
+}
+
+/// The operations: `None` (Burn's ops) everywhere but on Flex.
+#[backend_extension(
+    Flex: cfg(feature = "flex"),
+    NdArray: cfg(feature = "ndarray"),
+    LibTorch: cfg(feature = "tch"),
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
+    Autodiff,
+)]
+pub trait FusedOps: Backend {
+    /// RMSNorm of `x` `[.., d]` with `gamma` `[d]`; `None`: not taken.
+    fn rms_norm(
+        _x: FloatTensor<Self>,
+        _gamma: FloatTensor<Self>,
+        _epsilon: f64,
+    ) -> Option<FloatTensor<Self>> {
+        None
+    }
+
+    /// RoPE of `x` `[B, S, heads·d]` by `table` `[S, d, 2]` (cos, sin), as `[B, S, heads·d]`;
+    /// `None`: not taken.
+    fn rotary(_x: FloatTensor<Self>, _table: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        None
+    }
+}
+
+#[cfg(feature = "flex")]
+impl FusedOps for burn::backend::Flex {
+    fn rms_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> Option<FloatTensor<Self>> {
+        flex::rms_norm(&x, &gamma, epsilon)
+    }
+
+    fn rotary(x: FloatTensor<Self>, table: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        flex::rotary(&x, &table)
+    }
+}
+#[cfg(feature = "ndarray")]
+impl FusedOps for burn::backend::NdArray {}
+#[cfg(feature = "tch")]
+impl FusedOps for burn::backend::LibTorch {}
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl FusedOps for burn::backend::Cube {}
+impl<B, C> FusedOps for burn::backend::Autodiff<B, C>
+where
+    B: Backend + FusedOps,
+    C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy,
+{
+}
+
+#[cfg(feature = "flex")]
+mod flex {
+    use burn::backend::ops::FloatTensorOps;
+    use burn::backend::tensor::FloatTensor;
+    use burn::backend::{Flex, TensorMetadata};
+    use burn::tensor::{DType, TensorData};
+
+    /// A contiguous f32 tensor's elements (`None` for another dtype or layout).
+    fn elements(t: &FloatTensor<Flex>) -> Option<&[f32]> {
+        let layout = t.layout();
+        let len = t.shape().num_elements();
+        (t.dtype() == DType::F32 && layout.is_contiguous())
+            .then(|| &t.storage::<f32>()[layout.start_offset()..][..len])
+    }
+
+    /// `values` in `like`'s shape, on its device.
+    fn like(values: Vec<f32>, like: &FloatTensor<Flex>) -> FloatTensor<Flex> {
+        Flex::float_from_data(TensorData::new(values, like.shape()), &like.device())
+    }
+
+    pub(super) fn rms_norm(
+        x: &FloatTensor<Flex>,
+        gamma: &FloatTensor<Flex>,
+        epsilon: f64,
+    ) -> Option<FloatTensor<Flex>> {
+        let (xs, gamma) = (elements(x)?, elements(gamma)?);
+        let d = gamma.len();
+        if d == 0 || x.shape().last() != Some(&d) {
+            return None;
+        }
+        let mut y = vec![0.0f32; xs.len()];
+        for (row, out) in xs.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
+            let rms = ((squares(row) / d as f32) + epsilon as f32).sqrt();
+            for ((out, x), g) in out.iter_mut().zip(row).zip(gamma) {
+                *out = x / rms * g;
+            }
+        }
+        Some(like(y, x))
+    }
+
+    /// Σ x² over sixteen partial sums added pairwise, then the tail.
+    fn squares(row: &[f32]) -> f32 {
+        let mut lanes = [0.0f32; 16];
+        let chunks = row.chunks_exact(16);
+        let tail: f32 = chunks.remainder().iter().map(|x| x * x).sum();
+        for chunk in chunks {
+            for l in 0..16 {
+                lanes[l] += chunk[l] * chunk[l];
+            }
+        }
+        let mut width = 16;
+        while width > 1 {
+            width /= 2;
+            for l in 0..width {
+                lanes[l] += lanes[l + width];
+            }
+        }
+        lanes[0] + tail
+    }
+
+    pub(super) fn rotary(
+        x: &FloatTensor<Flex>,
+        table: &FloatTensor<Flex>,
+    ) -> Option<FloatTensor<Flex>> {
+        let xs = elements(x)?;
+        let table = elements(table)?;
+        let [_, s, width] = x.shape().dims();
+        let d = table.len().checked_div(2 * s)?;
+        if d == 0 || d % 2 != 0 || width % d != 0 || table.len() != s * d * 2 {
+            return None;
+        }
+        let mut y = vec![0.0f32; xs.len()];
+        for (p, (row, out)) in xs
+            .chunks_exact(width)
+            .zip(y.chunks_exact_mut(width))
+            .enumerate()
+        {
+            // Position p % s; its [d, 2] table of (cos, sin), pairs repeated.
+            let angles = &table[(p % s) * d * 2..][..d * 2];
+            for (head, out) in row.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+                for i in (0..d).step_by(2) {
+                    let (x0, x1) = (head[i], head[i + 1]);
+                    let (cos0, sin0) = (angles[2 * i], angles[2 * i + 1]);
+                    let (cos1, sin1) = (angles[2 * i + 2], angles[2 * i + 3]);
+                    out[i] = x0 * cos0 + x1 * -sin0;
+                    out[i + 1] = x1 * cos1 + x0 * sin1;
+                }
+            }
+        }
+        Some(like(y, x))
+    }
+}
