@@ -509,6 +509,33 @@ pub(crate) mod flex {
         y
     }
 
+    /// [`dot`] with AVX-512 intrinsics, for callers compiled with AVX-512F (the compiler
+    /// vectorises the portable loop only two to four lanes wide there): sixteen lanes of fused
+    /// multiply-adds, summed, then the tail.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(crate) unsafe fn dot_avx512<E: Widen>(a: &[f32], b: &[E]) -> f32 {
+        use core::arch::x86_64::*;
+        let len = a.len().min(b.len());
+        let full = len - len % 16;
+        // SAFETY: AVX-512F (the caller's contract); i + 16 ≤ full ≤ the length of a and b.
+        unsafe {
+            let mut acc = _mm512_setzero_ps();
+            for i in (0..full).step_by(16) {
+                let (x, w) = (_mm512_loadu_ps(a.as_ptr().add(i)), E::load16(b.as_ptr().add(i)));
+                acc = _mm512_fmadd_ps(x, w, acc);
+            }
+            let mut sum = _mm512_reduce_add_ps(acc);
+            for i in full..len {
+                sum += a[i] * b[i].widen();
+            }
+            sum
+        }
+    }
+
     /// ⟨a, b⟩ over sixteen partial sums (vectorised by the compiler) added pairwise, then the
     /// tail. Plain loops: an iterator's `sum` or `collect` may be compiled out of line, without
     /// the caller's vector instructions.

@@ -86,6 +86,8 @@ where
 #[cfg(feature = "flex")]
 mod flex {
     use crate::rows::flex::dot;
+    #[cfg(target_arch = "x86_64")]
+    use crate::rows::flex::dot_avx512;
     use burn::backend::ops::FloatTensorOps;
     use burn::backend::tensor::{BoolTensor, FloatTensor};
     use burn::backend::{Flex, TensorMetadata};
@@ -242,17 +244,23 @@ mod flex {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx512f")]
         fn attend_avx512(&self, outs: &mut [&mut [f32]]) {
-            self.attend_portable(outs)
+            // SAFETY: this function runs with AVX-512F.
+            self.attend_with(outs, |a, b| unsafe { dot_avx512(a, b) })
         }
 
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx2")]
         fn attend_avx2(&self, outs: &mut [&mut [f32]]) {
-            self.attend_portable(outs)
+            self.attend_with(outs, dot)
         }
 
-        #[inline(always)]
         fn attend_portable(&self, outs: &mut [&mut [f32]]) {
+            self.attend_with(outs, dot)
+        }
+
+        /// The attention with `dot` for ⟨query, key⟩.
+        #[inline(always)]
+        fn attend_with(&self, outs: &mut [&mut [f32]], dot: impl Fn(&[f32], &[f32]) -> f32) {
             // Plain loops: an iterator's `collect` or `fold` may be compiled out of line, without
             // this function's vector instructions. Logits `[query, key]`.
             let (n, keys) = (self.queries.len(), self.keys);
