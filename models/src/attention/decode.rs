@@ -23,19 +23,19 @@ use burn::backend::{Backend, backend_extension};
 use burn::tensor::{Bool, Tensor};
 
 /// `softmax(q·kᵀ/√d, masked)·v`, `[B, H, S, d_v]`, when Flex computes it directly; `mask`:
-/// `[B or 1, 1, S, T]`, true where masked.
+/// `[B or 1, 1, S, T]`, true where masked (`None`: causal, no mask tensor to build).
 pub(crate) fn attention(
     q: &Tensor<4>,
     k: &Tensor<4>,
     v: &Tensor<4>,
-    mask: &Tensor<4, Bool>,
+    mask: Option<&Tensor<4, Bool>>,
 ) -> Option<Tensor<4>> {
-    <burn::backend::Dispatch as DecodeAttentionOps>::decode_attention(
-        q.clone().into_dispatch(),
-        k.clone().into_dispatch(),
-        v.clone().into_dispatch(),
-        mask.clone().into_dispatch(),
-    )
+    type Ops = burn::backend::Dispatch;
+    let [q, k, v] = [q, k, v].map(|t| t.clone().into_dispatch());
+    match mask {
+        Some(mask) => Ops::decode_attention(q, k, v, mask.clone().into_dispatch()),
+        None => Ops::decode_attention_causal(q, k, v),
+    }
     .map(Tensor::from_dispatch)
 }
 
@@ -57,6 +57,15 @@ pub trait DecodeAttentionOps: Backend {
     ) -> Option<FloatTensor<Self>> {
         None
     }
+
+    /// The causal attention output (no mask tensor), or `None` as above.
+    fn decode_attention_causal(
+        _q: FloatTensor<Self>,
+        _k: FloatTensor<Self>,
+        _v: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        None
+    }
 }
 
 #[cfg(feature = "flex")]
@@ -67,7 +76,15 @@ impl DecodeAttentionOps for burn::backend::Flex {
         v: FloatTensor<Self>,
         mask: BoolTensor<Self>,
     ) -> Option<FloatTensor<Self>> {
-        flex::attention(&q, &k, &v, &mask)
+        flex::attention(&q, &k, &v, Some(&mask))
+    }
+
+    fn decode_attention_causal(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        flex::attention(&q, &k, &v, None)
     }
 }
 #[cfg(feature = "ndarray")]
@@ -132,7 +149,7 @@ mod flex {
         q: &FloatTensor<Flex>,
         k: &FloatTensor<Flex>,
         v: &FloatTensor<Flex>,
-        mask: &BoolTensor<Flex>,
+        mask: Option<&BoolTensor<Flex>>,
     ) -> Option<FloatTensor<Flex>> {
         let (qs, ks, vs) = (View::of(q)?, View::of(k)?, View::of(v)?);
         let [b, h, s, d] = [q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]];
@@ -144,29 +161,15 @@ mod flex {
             v.shape()[1],
             v.shape()[2],
         ];
-        let mask_shape = [
-            mask.shape()[0],
-            mask.shape()[1],
-            mask.shape()[2],
-            mask.shape()[3],
-        ];
-        let strides = mask.layout().strides();
-        if shapes != [b, d, b, h_kv, t]
-            || mask_shape[1..] != [1, s, t]
-            || ![1, b].contains(&mask_shape[0])
-            || h_kv == 0
-            || h % h_kv != 0
-            || d_v == 0
-            || t == 0
-            || strides.iter().any(|&s| s < 0)
+        if shapes != [b, d, b, h_kv, t] || h_kv == 0 || h % h_kv != 0 || d_v == 0 || t == 0 || t < s
         {
             return None;
         }
         let n_rep = h / h_kv;
-        let (flags, start) = (mask.storage::<u8>(), mask.layout().start_offset());
-        let [sb, si, sj] = [strides[0], strides[2], strides[3]].map(|s| s as usize);
-        let sb = if mask_shape[0] > 1 { sb } else { 0 };
-        let masked = |bi: usize, i: usize, j: usize| flags[start + bi * sb + i * si + j * sj] != 0;
+        let masked = match mask {
+            Some(mask) => Masked::of(mask, b, s, t)?,
+            None => Masked::Causal { past: t - s },
+        };
         let scale = 1.0 / (d as f32).sqrt();
         let mut out = vec![0.0f32; b * h * s * d_v];
         // Output rows `[b, h, i]`, each written by the one task of its kv group.
@@ -180,7 +183,7 @@ mod flex {
                 queries: heads.clone().map(|hi| qs.row(bi, hi, i)).collect(),
                 key: |j| ks.row(bi, g, j),
                 value: |j| vs.row(bi, g, j),
-                masked: |j| masked(bi, i, j),
+                masked: |j| masked.at(bi, i, j),
                 keys: t,
                 scale,
             };
@@ -206,6 +209,51 @@ mod flex {
             TensorData::new(out, [b, h, s, d_v]),
             &q.device(),
         ))
+    }
+
+    /// Which keys a query may not see.
+    enum Masked<'a> {
+        /// Query i (of S, after `past` cached positions) sees keys up to `past + i`.
+        Causal { past: usize },
+        /// A mask tensor's flags (true: masked) at `start + b·sb + i·si + j·sj`.
+        Flags {
+            flags: &'a [u8],
+            start: usize,
+            strides: [usize; 3],
+        },
+    }
+
+    impl<'a> Masked<'a> {
+        /// A `[B or 1, 1, S, T]` mask's flags, if it has that shape and non-negative strides.
+        fn of(mask: &'a BoolTensor<Flex>, b: usize, s: usize, t: usize) -> Option<Self> {
+            let shape = mask.shape();
+            let strides = mask.layout().strides();
+            if shape.num_dims() != 4
+                || shape[1..] != [1, s, t]
+                || ![1, b].contains(&shape[0])
+                || strides.iter().any(|&s| s < 0)
+            {
+                return None;
+            }
+            let sb = if shape[0] > 1 { strides[0] as usize } else { 0 };
+            Some(Self::Flags {
+                flags: mask.storage::<u8>(),
+                start: mask.layout().start_offset(),
+                strides: [sb, strides[2] as usize, strides[3] as usize],
+            })
+        }
+
+        #[inline(always)]
+        fn at(&self, b: usize, i: usize, j: usize) -> bool {
+            match *self {
+                Self::Causal { past } => j > past + i,
+                Self::Flags {
+                    flags,
+                    start,
+                    strides: [sb, si, sj],
+                } => flags[start + b * sb + i * si + j * sj] != 0,
+            }
+        }
     }
 
     /// The query rows of one kv head's query heads (n_rep under GQA) over its `keys` positions.

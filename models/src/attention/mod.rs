@@ -340,15 +340,15 @@ fn grouped_causal_attention(
 ) -> Tensor<4> {
     let [b, h, s, d] = q.dims();
     let [_, h_kv, t, _] = k.dims();
+    if s <= rows::FEW_ROWS
+        && let Some(out) = decode::attention(&q, &k, &v, mask.as_ref())
+    {
+        return out;
+    }
     let future = match mask {
         Some(mask) => mask,
         None => Tensor::<2, Bool>::tril_mask([s, t], (t - s) as i64, &q.device()).unsqueeze::<4>(),
     };
-    if s <= rows::FEW_ROWS
-        && let Some(out) = decode::attention(&q, &k, &v, &future)
-    {
-        return out;
-    }
     let d_v = v.dims()[3];
     let n_rep = h / h_kv;
     if n_rep == 1 {
