@@ -1,12 +1,14 @@
-//! Products of a few rows with a weight matrix, as decoding computes them: with `x` `[m, k]`
-//! (one row per sequence and step, m ≤ [`FEW_ROWS`]) and `W` `[k, n]`,
+//! Products of a few rows with a weight matrix, as decoding and short prefills compute them: with
+//! `x` `[m, k]` (one row per sequence and step, or a short prompt's positions: m ≤
+//! [`KERNEL_ROWS`], [`KERNEL_ROWS_BF16`] for a bf16 weight) and `W` `[k, n]`,
 //!
 //! ```text
 //! y = x·W,   y_rj = Σ_i x_ri·W_ij
 //! ```
 //!
-//! Such a product does 2·m·k·n flops for the k·n weights it reads: it is bound by memory
-//! bandwidth, and one core does not saturate it. Flex runs most such products on one thread (its
+//! Such a product does 2·m·k·n flops for the k·n weights it reads: for a decoding step it is
+//! bound by memory bandwidth, and one core does not saturate it; up to a few dozen rows the
+//! kernels below still beat Flex's gemm, which packs the whole weight for each product. Flex runs most such products on one thread (its
 //! gemm parallelises only products of 192³ multiply-adds or more), so on Flex, in f32, the weight
 //! is cut into one contiguous band per rayon thread, each band streamed once on the threads of
 //! [`crate::team`] (weights below 65,536 stay on the calling thread: handing them over would cost
@@ -19,7 +21,8 @@
 //! On a CPU with AVX-512 the bands are computed with its intrinsics (sixteen lanes per fused
 //! multiply-add), the next group of W's rows or columns asked for before it is read; elsewhere by
 //! loops the compiler vectorises. Sums are in f32 in another order than gemm's: results agree
-//! with the plain product to f32 rounding. Every other backend, dtype, layout, or more rows, takes the plain product.
+//! with the plain product to f32 rounding. Every other backend, dtype, layout, or more rows,
+//! takes the plain product.
 //!
 //! The weight may be in another dtype than `x` (inference weights kept in bf16,
 //! [`crate::Model::with_weight_dtype`]): `y = x·f32(W)`. The kernel widens each bf16 weight as it
@@ -31,10 +34,20 @@
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, backend_extension};
 use burn::nn::Linear;
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 
-/// The most rows [`matmul`] sends to [`rows_matmul`]; more take the plain product.
+/// The most rows of a decoding step (sequences × new positions) the decoding kernels are meant
+/// for: up to this many, attention over a KV cache takes its direct kernel.
 pub const FEW_ROWS: usize = 8;
+
+/// The most rows [`matmul`] sends to [`rows_matmul`] with an f32 weight; more take the plain
+/// product. Measured on an Intel Xeon (2 cores, AVX-512) at a 135M model's shapes, from 8 to 64
+/// rows: the kernels ran at 64–101 GFLOP/s, Flex's gemm at 23–119, overtaking them from 64 rows.
+pub const KERNEL_ROWS: usize = 32;
+
+/// [`KERNEL_ROWS`] for a bf16 weight, which the plain product first casts to f32: gemm ran at
+/// 15–77 GFLOP/s from 8 to 64 rows there, overtaking the kernels (79–91) from 128.
+pub const KERNEL_ROWS_BF16: usize = 64;
 
 /// `linear.forward(x)` for `x` `[B, S, d_in]`, its product by [`matmul`].
 pub fn linear(linear: &Linear, x: Tensor<3>) -> Tensor<3> {
@@ -54,10 +67,14 @@ pub fn linear(linear: &Linear, x: Tensor<3>) -> Tensor<3> {
 }
 
 /// `x·w` for `x` `[m, k]` and `w` `[k, n]` (`w` cast to x's dtype): by [`rows_matmul`] when
-/// 1 ≤ m ≤ [`FEW_ROWS`], else the plain product.
+/// 1 ≤ m ≤ [`KERNEL_ROWS`] ([`KERNEL_ROWS_BF16`] for a bf16 weight), else the plain product.
 pub fn matmul(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
+    let most = match w.dtype() {
+        DType::BF16 => KERNEL_ROWS_BF16,
+        _ => KERNEL_ROWS,
+    };
     match x.dims()[0] {
-        1..=FEW_ROWS => rows_matmul(x, w),
+        m if (1..=most).contains(&m) => rows_matmul(x, w),
         _ => {
             let dtype = x.dtype();
             x.matmul(w.cast(dtype))
@@ -525,7 +542,10 @@ pub(crate) mod flex {
         unsafe {
             let mut acc = _mm512_setzero_ps();
             for i in (0..full).step_by(16) {
-                let (x, w) = (_mm512_loadu_ps(a.as_ptr().add(i)), E::load16(b.as_ptr().add(i)));
+                let (x, w) = (
+                    _mm512_loadu_ps(a.as_ptr().add(i)),
+                    E::load16(b.as_ptr().add(i)),
+                );
                 acc = _mm512_fmadd_ps(x, w, acc);
             }
             let mut sum = _mm512_reduce_add_ps(acc);

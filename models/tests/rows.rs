@@ -1,7 +1,8 @@
 //! Decoding's few-row products (`rows`) against the plain product on every backend compiled in:
 //! exactly, on small integers (every partial sum exact in f32, so any misplaced row, column,
 //! band or tail shows), and to f32 rounding on random values; for row-major weights, transposed
-//! ones (a tied head), strided views and bf16 (the plain product's path), 1 to FEW_ROWS rows,
+//! ones (a tied head), strided views and bf16 (the plain product's path), 1 to FEW_ROWS rows and
+//! either side of KERNEL_ROWS (where `matmul` turns to the plain product),
 //! widths and depths off every multiple, on one thread and on more threads than bands; weights
 //! kept in bf16 under f32 rows (inference weights) against the product with their f32 widening;
 //! and `rows::linear` against `Linear::forward`, with and without bias, in values and gradients.
@@ -11,7 +12,7 @@ mod common;
 use burn::nn::LinearConfig;
 use burn::tensor::{DType, Device, Distribution, FloatDType, Gradients, Tensor, TensorData, s};
 use common::{assert_close, backends};
-use diffzoo_models::rows::{self, FEW_ROWS};
+use diffzoo_models::rows::{self, FEW_ROWS, KERNEL_ROWS, KERNEL_ROWS_BF16};
 
 /// (k, n): depths off the 4-row pass, widths off the vector width, one of each below both; the
 /// last has the quarter million weights above which the product is split across threads.
@@ -60,7 +61,7 @@ fn assert_same_product(what: &str, x: &Tensor<2>, w: Tensor<2>) {
 fn few_row_products_equal_the_plain_product_exactly_on_integers() {
     for (backend, device) in backends() {
         for (k, n) in SHAPES {
-            for m in 1..=FEW_ROWS {
+            for m in (1..=FEW_ROWS).chain([KERNEL_ROWS, KERNEL_ROWS + 1]) {
                 let x = integers(m, k, m, &device);
                 for (layout, w) in layouts(k, n, m + k, DType::F32, &device) {
                     let what = format!("{backend}: {layout} m={m} k={k} n={n}");
@@ -72,8 +73,8 @@ fn few_row_products_equal_the_plain_product_exactly_on_integers() {
 }
 
 /// Integers are exact in bf16, so the product with weights kept in bf16 equals the f32 one
-/// exactly: for 1 to FEW_ROWS rows (the kernel, widening as it reads) and one more (the plain
-/// product of the cast weight).
+/// exactly: for 1 to FEW_ROWS rows and KERNEL_ROWS_BF16 (the kernel, widening as it reads) and
+/// one more (the plain product of the cast weight).
 #[test]
 fn bf16_weights_are_read_as_the_f32_they_widen_to() {
     for (backend, device) in backends() {
@@ -81,7 +82,7 @@ fn bf16_weights_are_read_as_the_f32_they_widen_to() {
             continue;
         }
         for (k, n) in SHAPES {
-            for m in 1..=FEW_ROWS + 1 {
+            for m in (1..=FEW_ROWS).chain([KERNEL_ROWS_BF16, KERNEL_ROWS_BF16 + 1]) {
                 let x = integers(m, k, m, &device);
                 for (layout, w) in layouts(k, n, m + k, DType::BF16, &device) {
                     assert_eq!(w.dtype(), DType::BF16);
@@ -167,8 +168,9 @@ fn linear_equals_the_layer_in_values_and_gradients() {
         device.seed(11);
         for bias in [false, true] {
             let layer = LinearConfig::new(37, 45).with_bias(bias).init(&device);
-            // B·S of 1, FEW_ROWS (the few-row product) and one more (the layer's own path).
-            for [b, s] in [[1, 1], [2, 4], [3, 3]] {
+            // B·S of 1, FEW_ROWS and KERNEL_ROWS (the few-row product) and more (the layer's
+            // own path).
+            for [b, s] in [[1, 1], [2, 4], [4, 8], [3, 11]] {
                 let what = format!("{backend}: bias={bias} B={b} S={s}");
                 let x =
                     Tensor::<3>::random([b, s, 37], Distribution::Default, &device).require_grad();
