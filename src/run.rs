@@ -25,13 +25,13 @@ use crate::recipe::{self, Recipe};
 use crate::train::checkpoint::{self, Verified};
 use crate::train::step::Trainee;
 use anyhow::{Context, Result, anyhow, bail};
-use burn::module::Module;
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::store::ModuleRecord;
-use burn::tensor::Device;
+use burn::tensor::{DType, Device, Tensor};
 use diffzoo_datasets::corpus::{embedded_shards, embedded_tokenizer};
 use diffzoo_datasets::shards::Shards;
 use diffzoo_datasets::{Split, TextTokenizer, TokenWindows, corpus};
-use diffzoo_models::{Model, ModelConfig};
+use diffzoo_models::{Model, ModelConfig, compute_copy};
 use std::path::{Path, PathBuf};
 
 pub const RECIPE: &str = "recipe.toml";
@@ -485,12 +485,37 @@ pub fn load_weights(
     device: &Device,
 ) -> Result<(Model, Weights)> {
     let weights = find_weights(path)?;
-    let file = weights.file().to_path_buf();
-    // Weights are cast to the device's float dtype: a bf16 run's model loads into an f32 device.
+    // As recorded: Burn's cast to the built model's dtypes would draw every parameter's random
+    // initial values to read their dtype (a second at a 135M model's shape). Parameters in
+    // another float dtype than the device's (a bf16 run's model into an f32 device) are cast
+    // after; on an autodiff device, where a cast would be a step of the graph, by reading the
+    // record again with Burn's cast.
+    let model = read_weights(path, &weights, config, device, false)?;
+    let float = device.settings().float_dtype;
+    let model = match floats_all_in(&model, float.into()) {
+        true => model,
+        false if !device.is_autodiff() => compute_copy(&model, Some(float)),
+        false => read_weights(path, &weights, config, device, true)?,
+    };
+    Ok((model, weights))
+}
+
+/// The model in `weights`, its parameters in the record's dtypes or (`cast`) the device's.
+fn read_weights(
+    path: &Path,
+    weights: &Weights,
+    config: &ModelConfig,
+    device: &Device,
+    cast: bool,
+) -> Result<Model> {
+    let file = weights.file();
     let record = || {
-        ModuleRecord::load(&file)
-            .map(ModuleRecord::cast_to_module_dtype)
-            .map_err(|e| damaged(path, &weights, &e.to_string()))
+        ModuleRecord::load(file)
+            .map(|record| match cast {
+                true => record.cast_to_module_dtype(),
+                false => record,
+            })
+            .map_err(|e| damaged(path, weights, &e.to_string()))
     };
     // A `Model` (an imported run's final model, a model file), or a learner checkpoint's
     // `Trainee` (the model under `model.`): a checkpoint, and a trained run's final model, which
@@ -513,15 +538,15 @@ pub fn load_weights(
             .map_err(|e| e.to_string()))
     };
     let linked =
-        std::fs::metadata(&file).is_ok_and(|m| std::os::unix::fs::MetadataExt::nlink(&m) > 1);
+        std::fs::metadata(file).is_ok_and(|m| std::os::unix::fs::MetadataExt::nlink(&m) > 1);
     let trainee_first = matches!(weights, Weights::Checkpoint(..)) || linked;
     let first = if trainee_first {
         as_trainee()?
     } else {
         as_model()?
     };
-    let model = match first {
-        Ok(model) => model,
+    match first {
+        Ok(model) => Ok(model),
         Err(first) => {
             let second = if trainee_first {
                 as_model()?
@@ -534,10 +559,22 @@ pub fn load_weights(
                     false => first,
                 };
                 anyhow!("{}: {why}", file.display())
-            })?
+            })
         }
-    };
-    Ok((model, weights))
+    }
+}
+
+/// Whether every float parameter of `model` is in `dtype`.
+fn floats_all_in(model: &Model, dtype: DType) -> bool {
+    struct Check(DType, bool);
+    impl ModuleVisitor for Check {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.1 &= param.val().dtype() == self.0;
+        }
+    }
+    let mut check = Check(dtype, true);
+    model.visit(&mut check);
+    check.1
 }
 
 /// Why `weights` of the run (or file) `path` cannot be read: Burn's error, and for a run's
@@ -722,6 +759,30 @@ mod tests {
             .max()
             .into_scalar::<f32>();
         assert_eq!(diff, 0.0);
+    }
+
+    #[test]
+    fn a_bf16_model_loads_widened_to_f32_on_plain_and_autodiff_devices() {
+        let dir = tempfile::tempdir().unwrap();
+        let device = Device::flex();
+        let config = ModelConfig::new(AttentionKind::Diff, 16, 2, 2, 20, 8);
+        device.seed(1);
+        let bf16 = compute_copy(&config.init(&device), Some(burn::tensor::FloatDType::BF16));
+        save_final(dir.path(), &bf16, None, false).unwrap();
+        let widened = compute_copy(&bf16, Some(burn::tensor::FloatDType::F32));
+        assert!(floats_all_in(&widened, DType::F32));
+        for device in [device.clone(), device.clone().autodiff()] {
+            device.seed(2);
+            let (loaded, _) = load_weights(dir.path(), &config, &device).unwrap();
+            assert!(floats_all_in(&loaded, DType::F32), "{device:?}");
+            let diff = (loaded.forward(ids(&device)) - widened.forward(ids(&Device::flex())))
+                .abs()
+                .max()
+                .into_scalar::<f32>();
+            // Autodiff computes through Burn's ops, not Flex's fused ones: the same to rounding.
+            let tolerance = if device.is_autodiff() { 1e-5 } else { 0.0 };
+            assert!(diff <= tolerance, "{device:?}: {diff}");
+        }
     }
 
     fn ids(device: &Device) -> burn::tensor::Tensor<2, burn::tensor::Int> {
