@@ -8,7 +8,7 @@
 //!
 //! Burn's ops spend a dozen passes (and as many tensors) on each: with Flex in f32 a decoding
 //! step at a 135M model's shape made about 50 such small ops per layer. Here each is one pass,
-//! taken by Flex without autodiff for f32 tensors whose last dimension is contiguous; training
+//! taken by Flex without autodiff for contiguous f32 tensors; training
 //! (autodiff) and every other backend or dtype take Burn's ops, [`rms_norm_plain`] and
 //! [`rotary_plain`]. RoPE gives the same numbers (the same products and sums in the same order);
 //! RMSNorm's mean of squares is summed in another order than Flex's `mean_dim`: results agree to
@@ -43,13 +43,17 @@ pub fn rms_norm_plain<const D: usize>(norm: &RmsNorm, x: Tensor<D>) -> Tensor<D>
 pub fn rotary(x: Tensor<3>, heads: usize, rope: &RotaryEncoding, start: usize) -> Tensor<4> {
     let [b, s, width] = x.dims();
     let table = rope.freq_complex.clone().narrow(0, start, s);
-    <burn::backend::Dispatch as FusedOps>::rotary(x.clone().into_dispatch(), table.into_dispatch())
-        .map(|y| {
-            Tensor::<3>::from_dispatch(y)
-                .reshape([b, s, heads, width / heads])
-                .swap_dims(1, 2)
-        })
-        .unwrap_or_else(|| rotary_plain(x, heads, rope, start))
+    <burn::backend::Dispatch as FusedOps>::rotary(
+        x.clone().into_dispatch(),
+        table.into_dispatch(),
+        heads,
+    )
+    .map(|y| {
+        Tensor::<3>::from_dispatch(y)
+            .reshape([b, s, heads, width / heads])
+            .swap_dims(1, 2)
+    })
+    .unwrap_or_else(|| rotary_plain(x, heads, rope, start))
 }
 
 /// [`rotary`] by Burn's ops: `x ⊙ cos + swap(x) ⊙ (∓sin)` with `swap` exchanging each pair, in
@@ -93,7 +97,11 @@ pub trait FusedOps: Backend {
 
     /// RoPE of `x` `[B, S, heads·d]` by `table` `[S, d, 2]` (cos, sin), as `[B, S, heads·d]`;
     /// `None`: not taken.
-    fn rotary(_x: FloatTensor<Self>, _table: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+    fn rotary(
+        _x: FloatTensor<Self>,
+        _table: FloatTensor<Self>,
+        _heads: usize,
+    ) -> Option<FloatTensor<Self>> {
         None
     }
 }
@@ -108,8 +116,12 @@ impl FusedOps for burn::backend::Flex {
         flex::rms_norm(&x, &gamma, epsilon)
     }
 
-    fn rotary(x: FloatTensor<Self>, table: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
-        flex::rotary(&x, &table)
+    fn rotary(
+        x: FloatTensor<Self>,
+        table: FloatTensor<Self>,
+        heads: usize,
+    ) -> Option<FloatTensor<Self>> {
+        flex::rotary(&x, &table, heads)
     }
 }
 #[cfg(feature = "ndarray")]
@@ -188,12 +200,13 @@ mod flex {
     pub(super) fn rotary(
         x: &FloatTensor<Flex>,
         table: &FloatTensor<Flex>,
+        heads: usize,
     ) -> Option<FloatTensor<Flex>> {
         let xs = elements(x)?;
         let table = elements(table)?;
         let [_, s, width] = x.shape().dims();
         let d = table.len().checked_div(2 * s)?;
-        if d == 0 || d % 2 != 0 || width % d != 0 || table.len() != s * d * 2 {
+        if d == 0 || d % 2 != 0 || width != heads * d || table.len() != s * d * 2 {
             return None;
         }
         let mut y = vec![0.0f32; xs.len()];

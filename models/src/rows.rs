@@ -1,6 +1,6 @@
 //! Products of a few rows with a weight matrix, as decoding and short prefills compute them: with
 //! `x` `[m, k]` (one row per sequence and step, or a short prompt's positions: m ≤
-//! [`KERNEL_ROWS`], [`KERNEL_ROWS_BF16`] for a bf16 weight) and `W` `[k, n]`,
+//! [`kernel_rows`]) and `W` `[k, n]`,
 //!
 //! ```text
 //! y = x·W,   y_rj = Σ_i x_ri·W_ij
@@ -8,11 +8,11 @@
 //!
 //! Such a product does 2·m·k·n flops for the k·n weights it reads: for a decoding step it is
 //! bound by memory bandwidth, and one core does not saturate it; up to a few dozen rows the
-//! kernels below still beat Flex's gemm, which packs the whole weight for each product. Flex runs most such products on one thread (its
-//! gemm parallelises only products of 192³ multiply-adds or more), so on Flex, in f32, the weight
-//! is cut into one contiguous band per rayon thread, each band streamed once on the threads of
-//! [`crate::team`] (weights below 65,536 stay on the calling thread: handing them over would cost
-//! more):
+//! kernels below still beat Flex's gemm, which packs the whole weight for each product. Flex
+//! runs most such products on one thread (its gemm parallelises only products of 192³
+//! multiply-adds or more), so on Flex, in f32, the weight is cut into one contiguous band per
+//! rayon thread, each band streamed once on the threads of [`crate::team`] (weights below 65,536
+//! stay on the calling thread: handing them over would cost more):
 //! - `W` row-major (a linear layer's `[d_in, d_out]` weight): bands of W's rows I, each giving a
 //!   partial product `x_r,I·W_I,:` (four rows of W per pass over the outputs), then their sum;
 //! - `W` column-major (the transpose of a tied embedding `[vocab, d]`): bands of W's columns J,
@@ -36,18 +36,35 @@ use burn::backend::{Backend, backend_extension};
 use burn::nn::Linear;
 use burn::tensor::{DType, Tensor};
 
-/// The most rows of a decoding step (sequences × new positions) the decoding kernels are meant
-/// for: up to this many, attention over a KV cache takes its direct kernel.
+/// The most rows of a decoding step (sequences × new positions) the kernels are meant for: up
+/// to this many queries, attention takes its direct kernel (over a KV cache or not), and on a
+/// CPU without AVX-512 `matmul` its few-row products.
 pub const FEW_ROWS: usize = 8;
 
-/// The most rows [`matmul`] sends to [`rows_matmul`] with an f32 weight; more take the plain
-/// product. Measured on an Intel Xeon (2 cores, AVX-512) at a 135M model's shapes, from 8 to 64
-/// rows: the kernels ran at 64–101 GFLOP/s, Flex's gemm at 23–119, overtaking them from 64 rows.
+/// The most rows [`matmul`] sends to [`rows_matmul`] with an f32 weight on a CPU with AVX-512;
+/// more take the plain product. Measured on an Intel Xeon (2 cores, AVX-512) at a 135M model's
+/// shapes, from 8 to 64 rows: the kernels ran at 64–101 GFLOP/s, Flex's gemm at 23–119,
+/// overtaking them from 64 rows.
 pub const KERNEL_ROWS: usize = 32;
 
 /// [`KERNEL_ROWS`] for a bf16 weight, which the plain product first casts to f32: gemm ran at
 /// 15–77 GFLOP/s from 8 to 64 rows there, overtaking the kernels (79–91) from 128.
 pub const KERNEL_ROWS_BF16: usize = 64;
+
+/// The most rows [`matmul`] sends to [`rows_matmul`] for a weight in `dtype`: [`KERNEL_ROWS`] or
+/// [`KERNEL_ROWS_BF16`] where the CPU has AVX-512 (where they were measured), else
+/// [`FEW_ROWS`].
+pub fn kernel_rows(dtype: DType) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    let avx512 = std::arch::is_x86_feature_detected!("avx512f");
+    #[cfg(not(target_arch = "x86_64"))]
+    let avx512 = false;
+    match (avx512, dtype) {
+        (false, _) => FEW_ROWS,
+        (true, DType::BF16) => KERNEL_ROWS_BF16,
+        (true, _) => KERNEL_ROWS,
+    }
+}
 
 /// `linear.forward(x)` for `x` `[B, S, d_in]`, its product by [`matmul`].
 pub fn linear(linear: &Linear, x: Tensor<3>) -> Tensor<3> {
@@ -67,12 +84,9 @@ pub fn linear(linear: &Linear, x: Tensor<3>) -> Tensor<3> {
 }
 
 /// `x·w` for `x` `[m, k]` and `w` `[k, n]` (`w` cast to x's dtype): by [`rows_matmul`] when
-/// 1 ≤ m ≤ [`KERNEL_ROWS`] ([`KERNEL_ROWS_BF16`] for a bf16 weight), else the plain product.
+/// 1 ≤ m ≤ [`kernel_rows`], else the plain product.
 pub fn matmul(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
-    let most = match w.dtype() {
-        DType::BF16 => KERNEL_ROWS_BF16,
-        _ => KERNEL_ROWS,
-    };
+    let most = kernel_rows(w.dtype());
     match x.dims()[0] {
         m if (1..=most).contains(&m) => rows_matmul(x, w),
         _ => {
@@ -351,7 +365,8 @@ pub(crate) mod flex {
     }
 
     /// Row-major W: four rows of W per pass over each row of y, `y_r,J += Σ_g x_r,i+g·W_i+g,J`
-    /// for sixteen columns J at a time, then the columns past the last sixteen.
+    /// for sixteen columns J at a time, then the columns past the last sixteen; the rows past
+    /// the last four one per pass.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
     fn row_major_avx512<E: Widen>(
@@ -362,45 +377,67 @@ pub(crate) mod flex {
         rows: Range<usize>,
         cols: Range<usize>,
     ) -> Vec<f32> {
-        use core::arch::x86_64::*;
-        const G: usize = 4;
         let width = cols.len();
-        let full = width - width % 16;
         let mut y = vec![0.0f32; m * width];
         let w = |i: usize| &data[i * row + cols.start..][..width];
-        let mut i = rows.start;
-        while i < rows.end {
-            let group = (rows.end - i).min(G);
-            // A short last group repeats its last row with a zero factor.
-            let ws: [&[E]; G] = core::array::from_fn(|g| w(i + g.min(group - 1)));
-            for r in 0..m {
-                let a: [__m512; G] = core::array::from_fn(|g| match g < group {
-                    true => _mm512_set1_ps(x[r * k + i + g]),
-                    false => _mm512_setzero_ps(),
-                });
-                let out = &mut y[r * width..][..width];
-                for j in (0..full).step_by(16) {
-                    if r == 0 {
-                        prefetch(ws.map(|w| w.as_ptr().wrapping_add(G * row + j)));
-                    }
-                    // SAFETY: j + 16 ≤ full ≤ width, the length of `out` and of every `ws[g]`.
-                    unsafe {
-                        let mut acc = _mm512_loadu_ps(out.as_ptr().add(j));
-                        for g in 0..G {
-                            acc = _mm512_fmadd_ps(a[g], E::load16(ws[g].as_ptr().add(j)), acc);
-                        }
-                        _mm512_storeu_ps(out.as_mut_ptr().add(j), acc);
-                    }
-                }
-                for j in full..width {
-                    for g in 0..group {
-                        out[j] += x[r * k + i + g] * ws[g][j].widen();
-                    }
-                }
+        let fours = rows.start + rows.len() / 4 * 4;
+        // SAFETY: this function runs with AVX-512F.
+        unsafe {
+            for i in (rows.start..fours).step_by(4) {
+                let ws = core::array::from_fn::<_, 4, _>(|g| w(i + g));
+                rows_pass(x, m, k, &mut y, i, ws, row);
             }
-            i += group;
+            for i in fours..rows.end {
+                rows_pass(x, m, k, &mut y, i, [w(i)], row);
+            }
         }
         y
+    }
+
+    /// `y_r,: += Σ_g x_r,i+g·ws[g]` for the G rows `ws` of W from row i, asking for the G rows
+    /// after them (`row` elements apart) on the way.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn rows_pass<E: Widen, const G: usize>(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        y: &mut [f32],
+        i: usize,
+        ws: [&[E]; G],
+        row: usize,
+    ) {
+        use core::arch::x86_64::*;
+        let width = y.len() / m;
+        let full = width - width % 16;
+        for r in 0..m {
+            // SAFETY: AVX-512F (the caller's contract).
+            let a: [__m512; G] =
+                core::array::from_fn(|g| unsafe { _mm512_set1_ps(x[r * k + i + g]) });
+            let out = &mut y[r * width..][..width];
+            for j in (0..full).step_by(16) {
+                if r == 0 {
+                    prefetch(ws.map(|w| w.as_ptr().wrapping_add(G * row + j)));
+                }
+                // SAFETY: AVX-512F (the caller's contract); j + 16 ≤ full ≤ width, the length
+                // of `out` and of every `ws[g]`.
+                unsafe {
+                    let mut acc = _mm512_loadu_ps(out.as_ptr().add(j));
+                    for g in 0..G {
+                        acc = _mm512_fmadd_ps(a[g], E::load16(ws[g].as_ptr().add(j)), acc);
+                    }
+                    _mm512_storeu_ps(out.as_mut_ptr().add(j), acc);
+                }
+            }
+            for j in full..width {
+                for g in 0..G {
+                    out[j] += x[r * k + i + g] * ws[g][j].widen();
+                }
+            }
+        }
     }
 
     /// Column-major W: four columns of W at a time, each `y_rj = ⟨x_r,rows, W_rows,j⟩` in sixteen
