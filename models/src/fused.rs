@@ -124,18 +124,7 @@ impl FusedOps for burn::backend::Flex {
         flex::rotary(&x, &table, heads)
     }
 }
-#[cfg(feature = "ndarray")]
-impl FusedOps for burn::backend::NdArray {}
-#[cfg(feature = "tch")]
-impl FusedOps for burn::backend::LibTorch {}
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl FusedOps for burn::backend::Cube {}
-impl<B, C> FusedOps for burn::backend::Autodiff<B, C>
-where
-    B: Backend + FusedOps,
-    C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy,
-{
-}
+default_ops!(FusedOps);
 
 #[cfg(feature = "flex")]
 mod flex {

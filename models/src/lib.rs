@@ -27,6 +27,32 @@
 //! Model::cache() -> Model::forward_cached(prompt, &mut cache), then one token at a time
 //! ```
 
+/// The implementations of a backend extension `$ops` that keep its default methods (Burn's ops)
+/// for the backends other than Flex that are compiled in, and (unless `no_autodiff`: the
+/// extension has its own backward) for autodiff over any backend.
+macro_rules! default_ops {
+    ($ops:ident) => {
+        default_ops!($ops, no_autodiff);
+        impl<B, C> $ops for burn::backend::Autodiff<B, C>
+        where
+            B: burn::backend::Backend + $ops,
+            C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy,
+        {
+        }
+    };
+    ($ops:ident, no_autodiff) => {
+        // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
+        #[cfg(feature = "ndarray")]
+        #[allow(deprecated)]
+        impl $ops for burn::backend::NdArray {}
+        #[cfg(feature = "tch")]
+        #[allow(deprecated)]
+        impl $ops for burn::backend::LibTorch {}
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        impl $ops for burn::backend::Cube {}
+    };
+}
+
 pub mod analysis;
 pub mod attention;
 pub mod budget;

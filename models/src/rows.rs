@@ -136,16 +136,7 @@ impl RowsOps for burn::backend::Flex {
         flex::rows_matmul(&x, &w).unwrap_or_else(|| plain::<Self>(x, w))
     }
 }
-#[cfg(feature = "ndarray")]
-impl RowsOps for burn::backend::NdArray {}
-#[cfg(feature = "tch")]
-impl RowsOps for burn::backend::LibTorch {}
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl RowsOps for burn::backend::Cube {}
-impl<B: Backend + RowsOps, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
-    RowsOps for burn::backend::Autodiff<B, C>
-{
-}
+default_ops!(RowsOps);
 
 #[cfg(feature = "flex")]
 pub(crate) mod flex {

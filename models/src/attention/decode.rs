@@ -87,18 +87,7 @@ impl DecodeAttentionOps for burn::backend::Flex {
         flex::attention(&q, &k, &v, None)
     }
 }
-#[cfg(feature = "ndarray")]
-impl DecodeAttentionOps for burn::backend::NdArray {}
-#[cfg(feature = "tch")]
-impl DecodeAttentionOps for burn::backend::LibTorch {}
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl DecodeAttentionOps for burn::backend::Cube {}
-impl<B, C> DecodeAttentionOps for burn::backend::Autodiff<B, C>
-where
-    B: Backend + DecodeAttentionOps,
-    C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy,
-{
-}
+default_ops!(DecodeAttentionOps);
 
 #[cfg(feature = "flex")]
 mod flex {

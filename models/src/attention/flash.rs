@@ -119,12 +119,7 @@ pub trait FlashAttentionOps: Backend {
 
 #[cfg(feature = "flex")]
 impl FlashAttentionOps for burn::backend::Flex {}
-#[cfg(feature = "ndarray")]
-impl FlashAttentionOps for burn::backend::NdArray {}
-#[cfg(feature = "tch")]
-impl FlashAttentionOps for burn::backend::LibTorch {}
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl FlashAttentionOps for burn::backend::Cube {}
+default_ops!(FlashAttentionOps, no_autodiff);
 
 impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps for Autodiff<B, C> {
     fn flash_attention(
