@@ -372,7 +372,8 @@ pub(crate) mod flex {
         let mut y = vec![0.0f32; m * width];
         let w = |i: usize| &data[i * row + cols.start..][..width];
         let fours = rows.start + rows.len() / 4 * 4;
-        // SAFETY: this function runs with AVX-512F.
+        // SAFETY: this function runs with AVX-512F; every row `w` gives is `width` = y.len() / m
+        // long.
         unsafe {
             for i in (rows.start..fours).step_by(4) {
                 let ws = core::array::from_fn::<_, 4, _>(|g| w(i + g));
@@ -389,7 +390,7 @@ pub(crate) mod flex {
     /// after them (`row` elements apart) on the way.
     ///
     /// # Safety
-    /// The CPU has AVX-512F.
+    /// The CPU has AVX-512F, and every `ws[g]` holds at least `y.len() / m` elements.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn rows_pass<E: Widen, const G: usize>(
@@ -414,7 +415,7 @@ pub(crate) mod flex {
                     prefetch(ws.map(|w| w.as_ptr().wrapping_add(G * row + j)));
                 }
                 // SAFETY: AVX-512F (the caller's contract); j + 16 ≤ full ≤ width, the length
-                // of `out` and of every `ws[g]`.
+                // of `out` and at most that of every `ws[g]` (the caller's contract).
                 unsafe {
                     let mut acc = _mm512_loadu_ps(out.as_ptr().add(j));
                     for g in 0..G {

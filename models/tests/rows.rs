@@ -15,7 +15,7 @@ use common::{assert_close, backends};
 use diffzoo_models::rows::{self, FEW_ROWS, KERNEL_ROWS, KERNEL_ROWS_BF16};
 
 /// (k, n): depths off the 4-row pass, widths off the vector width, one of each below both; the
-/// last has the quarter million weights above which the product is split across threads.
+/// last has more than the 65,536 weights from which the product is split across threads.
 const SHAPES: [(usize, usize); 6] = [(1, 1), (3, 5), (37, 45), (64, 128), (130, 17), (515, 515)];
 
 /// A `[rows, cols]` tensor of small integers in −3..=3, deterministic in `seed`.
@@ -27,7 +27,8 @@ fn integers(rows: usize, cols: usize, seed: usize, device: &Device) -> Tensor<2>
 }
 
 /// Every weight layout the products meet, stored in `dtype`: row-major `[k, n]`, the transpose
-/// of a row-major `[n, k]` (a tied embedding), and a strided slice of a wider one.
+/// of a row-major `[n, k]` (a tied embedding), a slice of every other column of a wider one
+/// (the plain product's), and rows or columns further apart than the weight is wide or deep.
 fn layouts(
     k: usize,
     n: usize,
