@@ -9,7 +9,7 @@
 //! Burn's ops spend a dozen passes (and as many tensors) on each: with Flex in f32 a decoding
 //! step at a 135M model's shape made about 50 such small ops per layer. Here each is one pass,
 //! taken by Flex without autodiff for contiguous f32 tensors; training
-//! (autodiff) and every other backend or dtype take Burn's ops, [`rms_norm_plain`] and
+//! (autodiff) and every other backend or dtype take Burn's ops, `RmsNorm::forward` and
 //! [`rotary_plain`]. RoPE gives the same numbers (the same products and sums in the same order);
 //! RMSNorm's mean of squares is summed in another order than Flex's `mean_dim`: results agree to
 //! f32 rounding.
@@ -29,12 +29,7 @@ pub fn rms_norm<const D: usize>(norm: &RmsNorm, x: Tensor<D>) -> Tensor<D> {
         norm.epsilon,
     )
     .map(Tensor::from_dispatch)
-    .unwrap_or_else(|| rms_norm_plain(norm, x))
-}
-
-/// Burn's RMSNorm (its ops, whatever the backend).
-pub fn rms_norm_plain<const D: usize>(norm: &RmsNorm, x: Tensor<D>) -> Tensor<D> {
-    norm.forward(x)
+    .unwrap_or_else(|| norm.forward(x))
 }
 
 /// `[B, S, heads·d]` at positions `start..start + S` → RoPE-rotated heads `[B, heads, S, d]`
@@ -128,6 +123,7 @@ default_ops!(FusedOps);
 
 #[cfg(feature = "flex")]
 mod flex {
+    use crate::rows::flex::dot;
     use burn::backend::ops::FloatTensorOps;
     use burn::backend::tensor::FloatTensor;
     use burn::backend::{Flex, TensorMetadata};
@@ -158,32 +154,12 @@ mod flex {
         }
         let mut y = vec![0.0f32; xs.len()];
         for (row, out) in xs.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
-            let rms = ((squares(row) / d as f32) + epsilon as f32).sqrt();
+            let rms = ((dot(row, row) / d as f32) + epsilon as f32).sqrt();
             for ((out, x), g) in out.iter_mut().zip(row).zip(gamma) {
                 *out = x / rms * g;
             }
         }
         Some(like(y, x))
-    }
-
-    /// Σ x² over sixteen partial sums added pairwise, then the tail.
-    fn squares(row: &[f32]) -> f32 {
-        let mut lanes = [0.0f32; 16];
-        let chunks = row.chunks_exact(16);
-        let tail: f32 = chunks.remainder().iter().map(|x| x * x).sum();
-        for chunk in chunks {
-            for l in 0..16 {
-                lanes[l] += chunk[l] * chunk[l];
-            }
-        }
-        let mut width = 16;
-        while width > 1 {
-            width /= 2;
-            for l in 0..width {
-                lanes[l] += lanes[l + width];
-            }
-        }
-        lanes[0] + tail
     }
 
     pub(super) fn rotary(
