@@ -2,10 +2,10 @@
 
 use crate::attention::projection;
 use crate::config::ModelConfig;
+use crate::fused;
 use crate::rows;
 use burn::module::Module;
 use burn::nn::Linear;
-use burn::tensor::activation::silu;
 use burn::tensor::{Device, Tensor};
 
 #[derive(Module, Debug)]
@@ -29,7 +29,7 @@ impl SwiGlu {
     }
 
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let gate = silu(rows::linear(&self.w_g, x.clone()));
-        rows::linear(&self.w2, gate * rows::linear(&self.w1, x))
+        let gate = rows::linear(&self.w_g, x.clone());
+        rows::linear(&self.w2, fused::swiglu(gate, rows::linear(&self.w1, x)))
     }
 }

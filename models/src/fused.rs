@@ -20,6 +20,17 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, backend_extension};
 use burn::nn::{RmsNorm, RotaryEncoding};
 use burn::tensor::Tensor;
+use burn::tensor::activation::silu;
+
+/// `silu(gate) ⊙ up` (SwiGLU's gating), in one pass where Flex takes it.
+pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
+    <burn::backend::Dispatch as FusedOps>::swiglu(
+        gate.clone().into_dispatch(),
+        up.clone().into_dispatch(),
+    )
+    .map(Tensor::from_dispatch)
+    .unwrap_or_else(|| silu(gate) * up)
+}
 
 /// `norm.forward(x)` for `x` `[.., d_model]`, in one pass where Flex takes it.
 pub fn rms_norm<const D: usize>(norm: &RmsNorm, x: Tensor<D>) -> Tensor<D> {
@@ -90,6 +101,11 @@ pub trait FusedOps: Backend {
         None
     }
 
+    /// `silu(gate) ⊙ up` for tensors of one shape; `None`: not taken.
+    fn swiglu(_gate: FloatTensor<Self>, _up: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        None
+    }
+
     /// RoPE of `x` `[B, S, heads·d]` by `table` `[S, d, 2]` (cos, sin), as `[B, S, heads·d]`;
     /// `None`: not taken.
     fn rotary(
@@ -111,6 +127,10 @@ impl FusedOps for burn::backend::Flex {
         flex::rms_norm(&x, &gamma, epsilon)
     }
 
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        flex::swiglu(&gate, &up)
+    }
+
     fn rotary(
         x: FloatTensor<Self>,
         table: FloatTensor<Self>,
@@ -123,11 +143,13 @@ default_ops!(FusedOps);
 
 #[cfg(feature = "flex")]
 mod flex {
+    use crate::exp;
     use crate::rows::flex::dot;
     use burn::backend::ops::FloatTensorOps;
     use burn::backend::tensor::FloatTensor;
     use burn::backend::{Flex, TensorMetadata};
     use burn::tensor::{DType, TensorData};
+    use rayon::prelude::*;
 
     /// A contiguous f32 tensor's elements (`None` for another dtype or layout).
     fn elements(t: &FloatTensor<Flex>) -> Option<&[f32]> {
@@ -160,6 +182,23 @@ mod flex {
             }
         }
         Some(like(y, x))
+    }
+
+    pub(super) fn swiglu(
+        gate: &FloatTensor<Flex>,
+        up: &FloatTensor<Flex>,
+    ) -> Option<FloatTensor<Flex>> {
+        let (g, u) = (elements(gate)?, elements(up)?);
+        if gate.shape() != up.shape() {
+            return None;
+        }
+        let mut y = vec![0.0f32; g.len()];
+        // Parts of about 64K elements on rayon's threads (a prefill's gate is millions).
+        const PART: usize = 1 << 16;
+        y.par_chunks_mut(PART)
+            .zip(g.par_chunks(PART).zip(u.par_chunks(PART)))
+            .for_each(|(y, (g, u))| exp::swiglu(g, u, y));
+        Some(like(y, gate))
     }
 
     pub(super) fn rotary(

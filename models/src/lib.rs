@@ -59,6 +59,8 @@ pub mod budget;
 pub mod cache;
 pub mod config;
 pub mod convert;
+#[cfg(feature = "flex")]
+mod exp;
 pub mod feed_forward;
 pub mod fused;
 pub mod model;

@@ -1,10 +1,11 @@
-//! `fused`: RMSNorm and RoPE in one pass on Flex equal Burn's ops on every backend (RoPE exactly
-//! on the CPU backends, RMSNorm to f32 rounding), for contiguous inputs (the fused pass) and
-//! strided ones (Burn's ops), and under autodiff give Burn's gradients.
+//! `fused`: RMSNorm, RoPE and SwiGLU's gate in one pass on Flex equal Burn's ops on every backend
+//! (RoPE exactly on the CPU backends, RMSNorm and the gate to f32 rounding), for contiguous inputs
+//! (the fused pass) and strided ones (Burn's ops), and under autodiff give Burn's gradients.
 
 mod common;
 
 use burn::nn::{RmsNormConfig, RotaryEncodingConfig};
+use burn::tensor::activation::silu;
 use burn::tensor::{Device, Distribution, Tensor};
 use common::{assert_close, backends};
 use diffzoo_models::fused;
@@ -41,6 +42,35 @@ fn rms_norm_equals_burns_rms_norm() {
                 fused::rms_norm(&norm, strided.clone()),
                 norm.forward(strided),
                 1e-6,
+                1e-6,
+            );
+        }
+    }
+}
+
+#[test]
+fn swiglu_equals_burns_silu_times_up() {
+    for (backend, device) in backends() {
+        // Lengths that leave a part of rayon's and sixteen lanes with tails; gates far into
+        // both of silu's tails.
+        for shape in [[2, 3, 37], [1, 1, 1536], [1, 70, 1000]] {
+            let gate = random(shape, &device) * 8.0;
+            let up = random(shape, &device);
+            let what = format!("{backend}: {shape:?}");
+            let theirs = silu(gate.clone()) * up.clone();
+            assert_close(
+                &what,
+                fused::swiglu(gate.clone(), up.clone()),
+                theirs,
+                1e-5,
+                1e-6,
+            );
+            let (gate, up) = (gate.swap_dims(0, 1), up.swap_dims(0, 1));
+            assert_close(
+                &format!("{what}, strided"),
+                fused::swiglu(gate.clone(), up.clone()),
+                silu(gate) * up,
+                1e-5,
                 1e-6,
             );
         }
@@ -87,9 +117,11 @@ fn gradients_are_burns_under_autodiff() {
         let norm = RmsNormConfig::new(24).init(&device);
         let rope = RotaryEncodingConfig::new(8, 8).init(&device);
         let x = random([2, 4, 24], &device).require_grad();
-        let ours = fused::rotary(fused::rms_norm(&norm, x.clone()), 3, &rope, 1);
+        let gated = |x: Tensor<3>| fused::swiglu(x.clone(), x.clone() + 1.0);
+        let ours = fused::rotary(gated(fused::rms_norm(&norm, x.clone())), 3, &rope, 1);
+        let normed = norm.forward(x.clone());
         let theirs = rope.apply(
-            norm.forward(x.clone())
+            (silu(normed.clone()) * (normed + 1.0))
                 .reshape([2, 4, 3, 8])
                 .swap_dims(1, 2),
             1,

@@ -91,6 +91,7 @@ default_ops!(DecodeAttentionOps);
 
 #[cfg(feature = "flex")]
 mod flex {
+    use crate::exp::exp_shifted;
     use crate::rows::flex::dot;
     #[cfg(target_arch = "x86_64")]
     use crate::rows::flex::dot_avx512;
@@ -314,13 +315,11 @@ mod flex {
                     max[r] = max[r].max(l);
                 }
             }
-            let mut sum = vec![0.0f32; n];
-            for (r, p) in p.chunks_exact_mut(keys).enumerate() {
-                for p in p {
-                    *p = (*p - max[r]).exp();
-                    sum[r] += *p;
-                }
-            }
+            let sum: Vec<f32> = p
+                .chunks_exact_mut(keys)
+                .zip(&max)
+                .map(|(p, &max)| exp_shifted(p, max))
+                .collect();
             for j in 0..keys {
                 let value = (self.value)(j);
                 for (r, o) in outs.iter_mut().enumerate() {

@@ -45,6 +45,10 @@
 //!   `do_{2h} = dY_h`, `do_{2h+1} = −λ_{t,h}·dY_h`, `dλ_{t,h} = −⟨o_{2h+1,t}, dY_{h,t}⟩` and
 //!   `dW_λ = Σ_t x_tᵀ·(dλ_t ⊙ λ_t ⊙ (1 − λ_t))`.
 //!
+//! **On Flex** the elementwise work of each block (m', e^(S−m'), ℓ', e^(m−m') in the forward,
+//! e^(S−L) in the backward) is one pass per row with vectorised exponentials ([`FlashAttentionOps`]'
+//! `flash_softmax_block` and `flash_probabilities`); other backends take Burn's operations.
+//!
 //! GQA: keys and values arrive repeated to the query heads (a copy of O(S) size). Half-precision
 //! inputs are computed in f32 (m, ℓ, A, L and the gradient sums would otherwise round once per
 //! block) and the results cast back; L stays f32.
@@ -115,10 +119,55 @@ pub trait FlashAttentionOps: Backend {
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         backward::<Self>(q, k, v, out, lse, grad, block)
     }
+
+    /// One key block of the forward's online softmax: from the block's scaled, masked logits S
+    /// `[B, H, r, c]` and the running maximum m and sum ℓ `[B, H, r, 1]` of the blocks before
+    /// (−∞ and 0 before the first), `(e^(S−m'), m', ℓ', e^(m−m'))`.
+    fn flash_softmax_block(
+        logits: FloatTensor<Self>,
+        max: FloatTensor<Self>,
+        sum: FloatTensor<Self>,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        softmax_block::<Self>(logits, max, sum)
+    }
+
+    /// The backward's probabilities of a block, `e^(S−L)`, from its scaled, masked logits S
+    /// `[B, H, r, c]` and its rows' log-sum-exp L `[B, H, r, 1]`.
+    fn flash_probabilities(logits: FloatTensor<Self>, lse: FloatTensor<Self>) -> FloatTensor<Self> {
+        exp_sub::<Self>(logits, lse)
+    }
 }
 
 #[cfg(feature = "flex")]
-impl FlashAttentionOps for burn::backend::Flex {}
+impl FlashAttentionOps for burn::backend::Flex {
+    fn flash_softmax_block(
+        logits: FloatTensor<Self>,
+        max: FloatTensor<Self>,
+        sum: FloatTensor<Self>,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        match flex::takes(&logits, &[&max, &sum]) {
+            true => flex::softmax_block(logits, &max, &sum),
+            false => softmax_block::<Self>(logits, max, sum),
+        }
+    }
+
+    fn flash_probabilities(logits: FloatTensor<Self>, lse: FloatTensor<Self>) -> FloatTensor<Self> {
+        match flex::takes(&logits, &[&lse]) {
+            true => flex::probabilities(logits, &lse),
+            false => exp_sub::<Self>(logits, lse),
+        }
+    }
+}
 default_ops!(FlashAttentionOps, no_autodiff);
 
 impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps for Autodiff<B, C> {
@@ -298,7 +347,7 @@ fn cast_to<B: Backend>(x: FloatTensor<B>, dtype: DType) -> FloatTensor<B> {
     }
 }
 
-fn forward<B: Backend>(
+fn forward<B: FlashAttentionOps>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,
     v: FloatTensor<B>,
@@ -310,40 +359,65 @@ fn forward<B: Backend>(
     let (mut outs, mut lses) = (Vec::new(), Vec::new());
     for rows in blocks.rows() {
         let qi = narrow::<B>(&blocks.q, 2, rows.clone());
-        // (m, ℓ, A) after the key blocks seen so far; block 0 holds key 0, so m is finite.
-        let mut running: Option<[FloatTensor<B>; 3]> = None;
+        // (m, ℓ) after the key blocks seen so far, and A once one has been; block 0 holds key 0,
+        // so m is finite after it.
+        let mut shape = qi.shape();
+        shape[3] = 1;
+        let device = qi.device();
+        let mut max = B::float_full(
+            shape.clone(),
+            f32::NEG_INFINITY.into(),
+            &device,
+            FloatDType::F32,
+        );
+        let mut sum = B::float_zeros(shape, &device, FloatDType::F32);
+        let mut acc: Option<FloatTensor<B>> = None;
         for cols in blocks.cols(&rows) {
             let logits = blocks.logits(&qi, &rows, &cols);
-            let block_max = B::float_max_dim(logits.clone(), 3);
-            let vj = narrow::<B>(&v, 2, cols);
-            running = Some(match running {
-                None => {
-                    let p = B::float_exp(B::float_sub(logits, block_max.clone()));
-                    let sum = B::float_sum_dim(p.clone(), 3);
-                    [block_max, sum, B::float_matmul(p, vj)]
-                }
-                Some([m, sum, acc]) => {
-                    let m_new = B::float_max_dim(B::float_cat(vec![m.clone(), block_max], 3), 3);
-                    let decay = B::float_exp(B::float_sub(m, m_new.clone()));
-                    let p = B::float_exp(B::float_sub(logits, m_new.clone()));
-                    let sum = B::float_add(
-                        B::float_mul(sum, decay.clone()),
-                        B::float_sum_dim(p.clone(), 3),
-                    );
-                    let acc = B::float_add(B::float_mul(acc, decay), B::float_matmul(p, vj));
-                    [m_new, sum, acc]
-                }
+            let (p, max_new, sum_new, decay) = B::flash_softmax_block(logits, max, sum);
+            let pv = B::float_matmul(p, narrow::<B>(&v, 2, cols));
+            acc = Some(match acc {
+                None => pv,
+                Some(acc) => B::float_add(B::float_mul(acc, decay), pv),
             });
+            (max, sum) = (max_new, sum_new);
         }
-        let [m, sum, acc] = running.expect("every query block sees key block 0");
+        let acc = acc.expect("every query block sees key block 0");
         outs.push(B::float_div(acc, sum.clone()));
-        lses.push(B::float_add(m, B::float_log(sum)));
+        lses.push(B::float_add(max, B::float_log(sum)));
     }
     let out = cast_to::<B>(B::float_cat(outs, 2), dtype);
     (out, B::float_cat(lses, 2))
 }
 
-fn backward<B: Backend>(
+/// [`FlashAttentionOps::flash_softmax_block`] by Burn's operations.
+fn softmax_block<B: Backend>(
+    logits: FloatTensor<B>,
+    max: FloatTensor<B>,
+    sum: FloatTensor<B>,
+) -> (
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+) {
+    let block_max = B::float_max_dim(logits.clone(), 3);
+    let max_new = B::float_max_dim(B::float_cat(vec![max.clone(), block_max], 3), 3);
+    let decay = exp_sub::<B>(max, max_new.clone());
+    let p = exp_sub::<B>(logits, max_new.clone());
+    let sum = B::float_add(
+        B::float_mul(sum, decay.clone()),
+        B::float_sum_dim(p.clone(), 3),
+    );
+    (p, max_new, sum, decay)
+}
+
+/// `e^(x − shift)`, `shift` broadcast along the last dimension, by Burn's operations.
+fn exp_sub<B: Backend>(x: FloatTensor<B>, shift: FloatTensor<B>) -> FloatTensor<B> {
+    B::float_exp(B::float_sub(x, shift))
+}
+
+fn backward<B: FlashAttentionOps>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,
     v: FloatTensor<B>,
@@ -378,7 +452,7 @@ fn backward<B: Backend>(
         let mut dq_i: Option<FloatTensor<B>> = None;
         for (j, cols) in blocks.cols(&rows).enumerate() {
             let logits = blocks.logits(&qi, &rows, &cols);
-            let p = B::float_exp(B::float_sub(logits, lse_i.clone()));
+            let p = B::flash_probabilities(logits, lse_i.clone());
             let pt = B::float_swap_dims(p.clone(), 2, 3);
             accumulate(&mut dv[j], B::float_matmul(pt, grad_i.clone()));
             let dp = B::float_matmul(grad_i.clone(), narrow::<B>(&vt, 3, cols.clone()));
@@ -401,4 +475,101 @@ fn backward<B: Backend>(
     };
     let dq = cast_to::<B>(B::float_cat(dq, 2), dtype);
     (dq, collect(dk), collect(dv))
+}
+
+/// The online softmax's elementwise work on Flex, one pass per row (contiguous f32 only: the
+/// callers fall back to Burn's operations otherwise): Burn's ops take seven passes over each
+/// logits block, glibc's scalar `expf` among them; here each row is read once, its exponentials
+/// taken sixteen at a time ([`crate::exp`]) in place, and the rows split between rayon's threads.
+#[cfg(feature = "flex")]
+mod flex {
+    use crate::exp::{exp_shifted, max_of};
+    use burn::backend::ops::FloatTensorOps;
+    use burn::backend::tensor::FloatTensor;
+    use burn::backend::{Flex, TensorMetadata};
+    use burn::tensor::{DType, TensorData};
+    use rayon::prelude::*;
+
+    type T = FloatTensor<Flex>;
+
+    /// Rows per part handed to a thread: about 64K logits.
+    fn rows_per_part(width: usize) -> usize {
+        (1 << 16) / width.max(1) + 1
+    }
+
+    /// A contiguous f32 tensor's elements (`None` for another dtype or layout).
+    fn elements(t: &T) -> Option<&[f32]> {
+        let layout = t.layout();
+        (t.dtype() == DType::F32 && layout.is_contiguous())
+            .then(|| &t.storage::<f32>()[layout.start_offset()..][..t.shape().num_elements()])
+    }
+
+    /// Whether `logits` `[.., r, c]` can be rewritten in place and `per_row` are `[.., r, 1]`
+    /// contiguous f32 tensors of as many rows.
+    pub(super) fn takes(logits: &T, per_row: &[&T]) -> bool {
+        let (shape, layout) = (logits.shape(), logits.layout());
+        let width = shape[shape.num_dims() - 1];
+        let rows = shape.num_elements() / width.max(1);
+        logits.dtype() == DType::F32
+            && layout.is_contiguous()
+            && layout.start_offset() == 0
+            && width > 0
+            && per_row.iter().all(|t| {
+                let s = t.shape();
+                s[s.num_dims() - 1] == 1 && elements(t).is_some_and(|e| e.len() == rows)
+            })
+    }
+
+    /// `f(row index, row)` for every row of `logits`' storage (unique, made so if shared), on
+    /// rayon's threads, and what it gave for each row; `logits` is returned rewritten.
+    fn for_rows<R: Copy + Default + Send>(
+        mut logits: T,
+        f: impl Fn(usize, &mut [f32]) -> R + Sync,
+    ) -> (T, Vec<R>) {
+        let shape = logits.shape();
+        let width = shape[shape.num_dims() - 1];
+        let len = shape.num_elements();
+        let per_part = rows_per_part(width);
+        let mut results = vec![R::default(); len / width];
+        logits.storage_mut::<f32>()[..len]
+            .par_chunks_mut(per_part * width)
+            .zip(results.par_chunks_mut(per_part))
+            .enumerate()
+            .for_each(|(part, (rows, results))| {
+                for (i, (row, result)) in rows.chunks_exact_mut(width).zip(results).enumerate() {
+                    *result = f(part * per_part + i, row);
+                }
+            });
+        (logits, results)
+    }
+
+    /// `[.., r, 1]` values like `like`'s.
+    fn column(values: Vec<f32>, like: &T) -> T {
+        Flex::float_from_data(TensorData::new(values, like.shape()), &like.device())
+    }
+
+    /// [`super::FlashAttentionOps::flash_softmax_block`] for tensors [`takes`] takes.
+    pub(super) fn softmax_block(logits: T, max: &T, sum: &T) -> (T, T, T, T) {
+        let (old_max, old_sum) = (
+            elements(max).expect("checked by takes"),
+            elements(sum).expect("checked by takes"),
+        );
+        let (p, results) = for_rows(logits, |r, row| {
+            let m = old_max[r].max(max_of(row));
+            let row_sum = exp_shifted(row, m);
+            let decay = (old_max[r] - m).exp();
+            [m, old_sum[r] * decay + row_sum, decay]
+        });
+        let column_of = |i: usize| column(results.iter().map(|r| r[i]).collect(), max);
+        (p, column_of(0), column_of(1), column_of(2))
+    }
+
+    /// [`super::FlashAttentionOps::flash_probabilities`] for tensors [`takes`] takes.
+    pub(super) fn probabilities(logits: T, lse: &T) -> T {
+        let shift = elements(lse).expect("checked by takes");
+        for_rows(logits, |r, row| {
+            exp_shifted(row, shift[r]);
+        })
+        .0
+    }
 }

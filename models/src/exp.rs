@@ -1,0 +1,232 @@
+//! The exponentials of a softmax row, sixteen at a time: for a row ℓ and its shift m (the row's
+//! maximum, or the log-sum-exp),
+//!
+//! ```text
+//! p_j = e^(ℓ_j − m),   returning Σ_j p_j
+//! ```
+//!
+//! glibc's `expf` is scalar: with Flex, attention's softmax spent a tenth of a long prompt's
+//! prefill in it. On a CPU with AVX-512, e^x is computed as 2ⁿ·e^r with n = round(x·log₂e) and
+//! r = x − n·ln 2 (ln 2 in two parts, so that r is exact to f32 rounding), |r| ≤ ln 2 / 2, e^r by
+//! Cephes' degree-7 polynomial for `expf` (relative error within a few f32 ulps of glibc's) and 2ⁿ
+//! applied by `vscalefps` (which overflows to +∞ and underflows to 0 as e^x does). x is clamped
+//! to [−104, 89] first: e^x is 0 below (−∞, a masked logit, included) and +∞ above in f32; NaN
+//! stays NaN. Elsewhere the plain loop over `f32::exp`.
+
+/// `row[j] = e^(row[j] − shift)` in place; their sum (in another order than a plain loop's).
+pub(crate) fn exp_shifted(row: &mut [f32], shift: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F (checked above).
+        return unsafe { exp_shifted_avx512(row, shift) };
+    }
+    let mut sum = 0.0;
+    for p in row {
+        *p = (*p - shift).exp();
+        sum += *p;
+    }
+    sum
+}
+
+/// `out[j] = silu(gate[j])·up[j]` with silu(g) = g / (1 + e^(−g)) (SwiGLU's gate), for slices of
+/// one length.
+pub(crate) fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F (checked above).
+        return unsafe { swiglu_avx512(gate, up, out) };
+    }
+    for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+        *o = g / (1.0 + (-g).exp()) * u;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn swiglu_avx512(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    use core::arch::x86_64::*;
+    let len = out.len().min(gate.len()).min(up.len());
+    let one = _mm512_set1_ps(1.0);
+    for start in (0..len).step_by(16) {
+        let lanes: __mmask16 = match len - start {
+            n if n >= 16 => !0,
+            n => (1 << n) - 1,
+        };
+        // SAFETY: the masked loads and store touch the lanes start..start + n < len of each.
+        unsafe {
+            let g = _mm512_maskz_loadu_ps(lanes, gate.as_ptr().add(start));
+            let u = _mm512_maskz_loadu_ps(lanes, up.as_ptr().add(start));
+            let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            let silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
+            _mm512_mask_storeu_ps(out.as_mut_ptr().add(start), lanes, _mm512_mul_ps(silu, u));
+        }
+    }
+}
+
+/// The largest of `row`'s values (−∞ for none).
+pub(crate) fn max_of(row: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F (checked above).
+        return unsafe { max_of_avx512(row) };
+    }
+    row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn max_of_avx512(row: &[f32]) -> f32 {
+    use core::arch::x86_64::*;
+    let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
+    let chunks = row.chunks_exact(16);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        // SAFETY: `chunk` holds sixteen f32.
+        max = _mm512_max_ps(max, unsafe { _mm512_loadu_ps(chunk.as_ptr()) });
+    }
+    tail.iter()
+        .fold(_mm512_reduce_max_ps(max), |m, &x| m.max(x))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn exp_shifted_avx512(row: &mut [f32], shift: f32) -> f32 {
+    use core::arch::x86_64::*;
+    let shift = _mm512_set1_ps(shift);
+    let mut sum = _mm512_setzero_ps();
+    let mut chunks = row.chunks_exact_mut(16);
+    for chunk in &mut chunks {
+        // SAFETY: `chunk` holds sixteen f32.
+        unsafe {
+            let x = _mm512_sub_ps(_mm512_loadu_ps(chunk.as_ptr()), shift);
+            let p = exp16(x);
+            _mm512_storeu_ps(chunk.as_mut_ptr(), p);
+            sum = _mm512_add_ps(sum, p);
+        }
+    }
+    let tail = chunks.into_remainder();
+    if !tail.is_empty() {
+        // The first `tail.len()` lanes; the others read as −∞, whose exponential adds 0.
+        let lanes: __mmask16 = (1 << tail.len()) - 1;
+        // SAFETY: the masked load and store touch only the `tail.len()` lanes of `tail`.
+        unsafe {
+            let x = _mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), lanes, tail.as_ptr());
+            let p = exp16(_mm512_sub_ps(x, shift));
+            _mm512_mask_storeu_ps(tail.as_mut_ptr(), lanes, p);
+            sum = _mm512_add_ps(sum, p);
+        }
+    }
+    _mm512_reduce_add_ps(sum)
+}
+
+/// e^x in sixteen lanes (see the module's doc).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn exp16(x: core::arch::x86_64::__m512) -> core::arch::x86_64::__m512 {
+    use core::arch::x86_64::*;
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 = LN2_HI + LN2_LO, LN2_HI with few enough bits that n·LN2_HI is exact.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // Cephes expf: e^r ≈ 1 + r + r²·P(r).
+    const P: [f32; 6] = [
+        1.987_569_2e-4,
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ];
+    // max/min return their second operand when either is NaN: x's NaN survives both.
+    let x = _mm512_max_ps(_mm512_set1_ps(-104.0), x);
+    let x = _mm512_min_ps(_mm512_set1_ps(89.0), x);
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, _mm512_set1_ps(LOG2_E)),
+    );
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    let mut p = _mm512_set1_ps(P[0]);
+    for &c in &P[1..] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let e_r = _mm512_add_ps(
+        _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r),
+        _mm512_set1_ps(1.0),
+    );
+    _mm512_scalef_ps(e_r, n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{exp_shifted, max_of, swiglu};
+
+    /// Relative distance, 0 for equal values (infinities and zeros included), 1 for NaN
+    /// against a number.
+    fn distance(a: f32, b: f32) -> f32 {
+        if a == b || a.is_nan() && b.is_nan() {
+            0.0
+        } else if a.is_nan() || b.is_nan() || a.is_infinite() || b.is_infinite() {
+            1.0
+        } else {
+            (a - b).abs() / a.abs().max(b.abs()).max(f32::MIN_POSITIVE)
+        }
+    }
+
+    #[test]
+    fn matches_f32_exp_over_its_range_and_at_the_edges() {
+        // Every 1/64 from −110 to 95 (both clamps crossed, the overflow and underflow to
+        // denormals, lengths that leave tails of every size), then the special values.
+        let mut xs: Vec<f32> = (-110 * 64..=95 * 64).map(|i| i as f32 / 64.0).collect();
+        xs.extend([
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            f32::NAN,
+            0.0,
+            -0.0,
+            1e-30,
+            -1e-30,
+        ]);
+        xs.extend([88.72, 88.73, -87.3, -103.9, 0.346_573_6, -0.346_573_6]);
+        for len in [xs.len(), 1, 15, 16, 17, 33] {
+            let row = &xs[..len];
+            for shift in [0.0f32, 3.5, -20.0] {
+                let mut got = row.to_vec();
+                let sum = exp_shifted(&mut got, shift);
+                let mut expected_sum = 0.0f64;
+                for (x, got) in row.iter().zip(&got) {
+                    let expected = (x - shift).exp();
+                    expected_sum += expected as f64;
+                    // Denormal results keep fewer bits; their absolute error is below 1e-44.
+                    let close = distance(*got, expected) <= 4e-7
+                        || expected.abs() < f32::MIN_POSITIVE && (got - expected).abs() < 1e-44;
+                    assert!(close, "e^({x} − {shift}): {got}, f32::exp {expected}");
+                }
+                let sum_close = distance(sum, expected_sum as f32) <= 1e-5;
+                assert!(sum_close, "sum {sum}, expected {expected_sum} (len {len})");
+            }
+        }
+    }
+
+    #[test]
+    fn swiglu_and_max_match_plain_loops() {
+        for len in [0, 1, 15, 16, 17, 100] {
+            let gate: Vec<f32> = (0..len).map(|i| (i as f32 - 50.0) * 0.37).collect();
+            let up: Vec<f32> = (0..len).map(|i| 1.5 - i as f32 * 0.11).collect();
+            let mut out = vec![f32::NAN; len];
+            swiglu(&gate, &up, &mut out);
+            for ((o, g), u) in out.iter().zip(&gate).zip(&up) {
+                let expected = g / (1.0 + (-g).exp()) * u;
+                assert!(
+                    distance(*o, expected) <= 1e-6,
+                    "silu({g})·{u}: {o}, {expected}"
+                );
+            }
+            let expected = gate.iter().fold(f32::NEG_INFINITY, |m, &g| m.max(g));
+            assert_eq!(max_of(&gate), expected, "max of {len}");
+        }
+        let mut out = [0.0; 3];
+        swiglu(&[-200.0, 200.0, f32::NAN], &[2.0, 2.0, 1.0], &mut out);
+        assert_eq!(out[..2], [0.0, 400.0]);
+        assert!(out[2].is_nan());
+    }
+}
