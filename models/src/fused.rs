@@ -19,8 +19,8 @@
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, backend_extension};
 use burn::nn::{RmsNorm, RotaryEncoding};
-use burn::tensor::Tensor;
 use burn::tensor::activation::silu;
+use burn::tensor::{Scalar, Tensor};
 
 /// `silu(gate) ⊙ up` (SwiGLU's gating), in one pass where Flex takes it.
 pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
@@ -83,6 +83,97 @@ pub fn rotary_plain(x: Tensor<3>, heads: usize, rope: &RotaryEncoding, start: us
     (x * cos.cast(dtype) + swapped * sin.cast(dtype)).swap_dims(1, 2)
 }
 
+/// AdamW's numbers for one step t of one parameter: β₁, β₂, ε, the bias corrections
+/// c₁ = 1 − β₁ᵗ and c₂ = 1 − β₂ᵗ, the decay factor `keep` = 1 − lr·λ (1 without weight decay) and
+/// the learning rate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    pub beta_1: f32,
+    pub beta_2: f32,
+    pub epsilon: f32,
+    pub correction_1: f32,
+    pub correction_2: f32,
+    pub keep: f32,
+    pub lr: f32,
+}
+
+/// AdamW's update of a parameter p with gradient g and moments m, v (Loshchilov & Hutter, 2019),
+/// in the order of Burn 0.22.1's `AdamW` operations, so that each number is rounded as there:
+///
+/// ```text
+/// m' = m·β₁ + g·(1 − β₁),   v' = v·β₂ + (g·g)·(1 − β₂)
+/// p' = p·keep − ((m'/c₁) / (√(v'/c₂) + ε))·lr
+/// ```
+///
+/// On Flex, for f32 tensors with contiguous layouts, one pass (in place where the tensors are
+/// not shared) instead of fifteen; Burn's operations elsewhere. `(p', m', v')`.
+pub fn adamw(
+    param: Tensor<1>,
+    grad: Tensor<1>,
+    moment_1: Tensor<1>,
+    moment_2: Tensor<1>,
+    step: AdamWStep,
+) -> (Tensor<1>, Tensor<1>, Tensor<1>) {
+    let AdamWStep {
+        beta_1,
+        beta_2,
+        epsilon,
+        correction_1,
+        correction_2,
+        keep,
+        lr,
+    } = step;
+    let (p, m, v) = <burn::backend::Dispatch as FusedOps>::adamw(
+        param.into_dispatch(),
+        grad.into_dispatch(),
+        moment_1.into_dispatch(),
+        moment_2.into_dispatch(),
+        beta_1,
+        beta_2,
+        epsilon,
+        correction_1,
+        correction_2,
+        keep,
+        lr,
+    );
+    (
+        Tensor::from_dispatch(p),
+        Tensor::from_dispatch(m),
+        Tensor::from_dispatch(v),
+    )
+}
+
+/// [`adamw`] by Burn's operations.
+fn adamw_plain<B: Backend>(
+    param: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    moment_1: FloatTensor<B>,
+    moment_2: FloatTensor<B>,
+    step: AdamWStep,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let s = |x: f32| Scalar::from(x);
+    let m = B::float_add(
+        B::float_mul_scalar(moment_1, s(step.beta_1)),
+        B::float_mul_scalar(grad.clone(), s(1.0 - step.beta_1)),
+    );
+    let v = B::float_add(
+        B::float_mul_scalar(moment_2, s(step.beta_2)),
+        B::float_mul_scalar(B::float_mul(grad.clone(), grad), s(1.0 - step.beta_2)),
+    );
+    let m_hat = B::float_div_scalar(m.clone(), s(step.correction_1));
+    let v_hat = B::float_div_scalar(v.clone(), s(step.correction_2));
+    let delta = B::float_div(
+        m_hat,
+        B::float_add_scalar(B::float_sqrt(v_hat), s(step.epsilon)),
+    );
+    let decayed = match step.keep == 1.0 {
+        true => param,
+        false => B::float_mul_scalar(param, s(step.keep)),
+    };
+    let p = B::float_sub(decayed, B::float_mul_scalar(delta, s(step.lr)));
+    (p, m, v)
+}
+
 /// The operations: `None` (Burn's ops) everywhere but on Flex.
 #[backend_extension(
     Flex: cfg(feature = "flex"),
@@ -104,6 +195,34 @@ pub trait FusedOps: Backend {
     /// `silu(gate) ⊙ up` for tensors of one shape; `None`: not taken.
     fn swiglu(_gate: FloatTensor<Self>, _up: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
         None
+    }
+
+    /// One AdamW step of a parameter that has moments (every step after its first), operation
+    /// for operation as Burn's `AdamW`: see [`adamw`]. `(p', m', v')`.
+    #[allow(clippy::too_many_arguments)] // four tensors and AdamW's seven numbers
+    fn adamw(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        moment_1: FloatTensor<Self>,
+        moment_2: FloatTensor<Self>,
+        beta_1: f32,
+        beta_2: f32,
+        epsilon: f32,
+        correction_1: f32,
+        correction_2: f32,
+        keep: f32,
+        lr: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let step = AdamWStep {
+            beta_1,
+            beta_2,
+            epsilon,
+            correction_1,
+            correction_2,
+            keep,
+            lr,
+        };
+        adamw_plain::<Self>(param, grad, moment_1, moment_2, step)
     }
 
     /// RoPE of `x` `[B, S, heads·d]` by `table` `[S, d, 2]` (cos, sin), as `[B, S, heads·d]`;
@@ -138,11 +257,40 @@ impl FusedOps for burn::backend::Flex {
     ) -> Option<FloatTensor<Self>> {
         flex::rotary(&x, &table, heads)
     }
+
+    fn adamw(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        moment_1: FloatTensor<Self>,
+        moment_2: FloatTensor<Self>,
+        beta_1: f32,
+        beta_2: f32,
+        epsilon: f32,
+        correction_1: f32,
+        correction_2: f32,
+        keep: f32,
+        lr: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let step = AdamWStep {
+            beta_1,
+            beta_2,
+            epsilon,
+            correction_1,
+            correction_2,
+            keep,
+            lr,
+        };
+        match flex::adamw_takes(&[&param, &grad, &moment_1, &moment_2]) {
+            true => flex::adamw(param, &grad, moment_1, moment_2, step),
+            false => adamw_plain::<Self>(param, grad, moment_1, moment_2, step),
+        }
+    }
 }
 default_ops!(FusedOps);
 
 #[cfg(feature = "flex")]
 mod flex {
+    use super::AdamWStep;
     use crate::exp;
     use crate::rows::flex::dot;
     use burn::backend::ops::FloatTensorOps;
@@ -199,6 +347,66 @@ mod flex {
             .zip(g.par_chunks(PART).zip(u.par_chunks(PART)))
             .for_each(|(y, (g, u))| exp::swiglu(g, u, y));
         Some(like(y, gate))
+    }
+
+    /// Whether [`adamw`] takes these tensors: f32, contiguous, of one length.
+    pub(super) fn adamw_takes(tensors: &[&FloatTensor<Flex>]) -> bool {
+        let len = tensors[0].shape().num_elements();
+        tensors
+            .iter()
+            .all(|t| elements(t).is_some_and(|e| e.len() == len))
+    }
+
+    /// `t`'s elements to rewrite: its own storage when it is contiguous from offset 0 (copied
+    /// first if shared), else a contiguous copy.
+    fn owned(t: FloatTensor<Flex>) -> FloatTensor<Flex> {
+        match t.layout().start_offset() == 0 {
+            true => t,
+            false => like(elements(&t).expect("checked by adamw_takes").to_vec(), &t),
+        }
+    }
+
+    /// [`super::adamw`] in one pass over rayon's threads, for tensors [`adamw_takes`] takes.
+    pub(super) fn adamw(
+        param: FloatTensor<Flex>,
+        grad: &FloatTensor<Flex>,
+        moment_1: FloatTensor<Flex>,
+        moment_2: FloatTensor<Flex>,
+        step: AdamWStep,
+    ) -> (FloatTensor<Flex>, FloatTensor<Flex>, FloatTensor<Flex>) {
+        const PART: usize = 1 << 15;
+        let AdamWStep {
+            beta_1,
+            beta_2,
+            epsilon,
+            correction_1,
+            correction_2,
+            keep,
+            lr,
+        } = step;
+        let (factor_1, factor_2) = (1.0 - beta_1, 1.0 - beta_2);
+        let g = elements(grad).expect("checked by adamw_takes");
+        let len = g.len();
+        let [mut p, mut m, mut v] = [param, moment_1, moment_2].map(owned);
+        let (ps, ms, vs) = (
+            &mut p.storage_mut::<f32>()[..len],
+            &mut m.storage_mut::<f32>()[..len],
+            &mut v.storage_mut::<f32>()[..len],
+        );
+        ps.par_chunks_mut(PART)
+            .zip(ms.par_chunks_mut(PART))
+            .zip(vs.par_chunks_mut(PART))
+            .zip(g.par_chunks(PART))
+            .for_each(|(((p, m), v), g)| {
+                for i in 0..p.len() {
+                    let g = g[i];
+                    m[i] = m[i] * beta_1 + g * factor_1;
+                    v[i] = v[i] * beta_2 + g * g * factor_2;
+                    let delta = m[i] / correction_1 / ((v[i] / correction_2).sqrt() + epsilon);
+                    p[i] = p[i] * keep - delta * lr;
+                }
+            });
+        (p, m, v)
     }
 
     pub(super) fn rotary(

@@ -12,6 +12,7 @@
 //! the step in progress, write a checkpoint and exit with [`RESUMABLE`] (see [`control`]); a lock
 //! file keeps a second `train` out of a live run's directory.
 
+mod adamw;
 pub mod checkpoint;
 pub mod control;
 mod dashboard;
@@ -34,7 +35,7 @@ use crate::run::{self, RunEnd};
 use anyhow::{Context, Result, anyhow, bail};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::module::ParamGroup;
-use burn::optim::AdamWConfig;
+use burn::optim::ModuleOptimizer;
 use burn::tensor::distributed::{DistributedConfig, ReduceOperation};
 use burn::tensor::{Device, DeviceConfig, FloatDType};
 use burn::train::checkpoint::KeepLastNCheckpoints;
@@ -360,20 +361,20 @@ fn truncate_log(path: &Path, step: usize) -> Result<()> {
         .with_context(|| format!("rewriting {}", path.display()))
 }
 
-/// The optimizer: AdamW (decoupled decay) with no decay on parameters matching `no_decay`.
+/// The optimizer: AdamW (decoupled decay) with no decay on parameters matching `no_decay`;
+/// Burn's `AdamW`'s numbers, each parameter's update in one pass on Flex ([`adamw`]).
 pub fn optimizer(o: &OptimizerSection) -> Result<burn::optim::ModuleOptimizer> {
     let adamw = |weight_decay: f64| {
-        AdamWConfig::new()
-            .with_beta_1(o.betas[0] as f32)
-            .with_beta_2(o.betas[1] as f32)
-            .with_epsilon(o.eps as f32)
-            .with_weight_decay(weight_decay as f32)
+        adamw::FusedAdamW::new(
+            o.betas[0] as f32,
+            o.betas[1] as f32,
+            o.eps as f32,
+            weight_decay as f32,
+        )
     };
     let no_decay =
         ParamGroup::from_regex(&o.no_decay).map_err(|e| anyhow!("`optimizer.no_decay`: {e:?}"))?;
-    Ok(adamw(o.weight_decay)
-        .init()
-        .with_group(no_decay, adamw(0.0).build(), None))
+    Ok(ModuleOptimizer::from(adamw(o.weight_decay)).with_group(no_decay, adamw(0.0), None))
 }
 
 pub fn run(args: &TrainArgs) -> Result<Outcome> {
