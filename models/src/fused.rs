@@ -357,10 +357,12 @@ mod flex {
             .all(|t| elements(t).is_some_and(|e| e.len() == len))
     }
 
-    /// `t`'s elements to rewrite: its own storage when it is contiguous from offset 0 (copied
-    /// first if shared), else a contiguous copy.
+    /// `t` to rewrite in place: itself when it alone owns a storage of exactly its elements,
+    /// else a copy of its elements (never the whole of a shared or larger buffer).
     fn owned(t: FloatTensor<Flex>) -> FloatTensor<Flex> {
-        match t.layout().start_offset() == 0 {
+        let len = t.shape().num_elements();
+        let whole = t.layout().start_offset() == 0 && t.storage::<f32>().len() == len;
+        match t.is_unique() && whole {
             true => t,
             false => like(elements(&t).expect("checked by adamw_takes").to_vec(), &t),
         }

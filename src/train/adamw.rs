@@ -11,7 +11,8 @@ use burn::optim::{AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, Learnin
 use burn::tensor::{Device, Tensor};
 use diffzoo_models::fused::{self, AdamWStep};
 
-/// AdamW (decoupled weight decay; Loshchilov & Hutter, 2019) without AMSGrad or cautious decay.
+/// AdamW (decoupled weight decay; Loshchilov & Hutter, 2019) without AMSGrad or cautious decay
+/// (a state's AMSGrad maximum, which Burn's `AdamW` without AMSGrad never makes, is kept as it is).
 #[derive(Clone)]
 pub struct FusedAdamW {
     beta_1: f32,

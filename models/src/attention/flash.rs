@@ -489,6 +489,7 @@ mod flex {
     use burn::backend::{Flex, TensorMetadata};
     use burn::tensor::{DType, TensorData};
     use rayon::prelude::*;
+    use std::borrow::Cow;
 
     type T = FloatTensor<Flex>;
 
@@ -497,27 +498,51 @@ mod flex {
         (1 << 16) / width.max(1) + 1
     }
 
-    /// A contiguous f32 tensor's elements (`None` for another dtype or layout).
-    fn elements(t: &T) -> Option<&[f32]> {
-        let layout = t.layout();
-        (t.dtype() == DType::F32 && layout.is_contiguous())
-            .then(|| &t.storage::<f32>()[layout.start_offset()..][..t.shape().num_elements()])
+    /// The values of `t` `[.., r, 1]`, one per row of `logits` `[.., r, c]` (the same leading
+    /// dimensions), in row order: its elements when contiguous, else read through its strides (a
+    /// block's rows of L, say); `None` for another dtype, shape or a negative stride.
+    fn per_row<'a>(t: &'a T, logits: &T) -> Option<Cow<'a, [f32]>> {
+        let (shape, rows_shape) = (t.shape(), logits.shape());
+        let n = shape.num_dims();
+        if t.dtype() != DType::F32
+            || n != rows_shape.num_dims()
+            || shape[n - 1] != 1
+            || shape[..n - 1] != rows_shape[..n - 1]
+        {
+            return None;
+        }
+        let (layout, data) = (t.layout(), t.storage::<f32>());
+        let len = shape.num_elements();
+        if layout.is_contiguous() {
+            return Some(Cow::Borrowed(&data[layout.start_offset()..][..len]));
+        }
+        let strides: Vec<usize> = layout
+            .strides()
+            .iter()
+            .map(|&s| usize::try_from(s).ok())
+            .collect::<Option<_>>()?;
+        let values = (0..len)
+            .map(|row| {
+                let (mut rest, mut at) = (row, layout.start_offset());
+                for d in (0..n).rev() {
+                    at += rest % shape[d] * strides[d];
+                    rest /= shape[d];
+                }
+                data[at]
+            })
+            .collect();
+        Some(Cow::Owned(values))
     }
 
-    /// Whether `logits` `[.., r, c]` can be rewritten in place and `per_row` are `[.., r, 1]`
-    /// contiguous f32 tensors of as many rows.
-    pub(super) fn takes(logits: &T, per_row: &[&T]) -> bool {
+    /// Whether `logits` can be rewritten in place (f32, contiguous from offset 0, rows not
+    /// empty) and each of `per_row` gives one value per row ([`per_row`]).
+    pub(super) fn takes(logits: &T, per_row_tensors: &[&T]) -> bool {
         let (shape, layout) = (logits.shape(), logits.layout());
-        let width = shape[shape.num_dims() - 1];
-        let rows = shape.num_elements() / width.max(1);
         logits.dtype() == DType::F32
             && layout.is_contiguous()
             && layout.start_offset() == 0
-            && width > 0
-            && per_row.iter().all(|t| {
-                let s = t.shape();
-                s[s.num_dims() - 1] == 1 && elements(t).is_some_and(|e| e.len() == rows)
-            })
+            && shape[shape.num_dims() - 1] > 0
+            && per_row_tensors.iter().all(|t| per_row(t, logits).is_some())
     }
 
     /// `f(row index, row)` for every row of `logits`' storage (unique, made so if shared), on
@@ -551,8 +576,8 @@ mod flex {
     /// [`super::FlashAttentionOps::flash_softmax_block`] for tensors [`takes`] takes.
     pub(super) fn softmax_block(logits: T, max: &T, sum: &T) -> (T, T, T, T) {
         let (old_max, old_sum) = (
-            elements(max).expect("checked by takes"),
-            elements(sum).expect("checked by takes"),
+            per_row(max, &logits).expect("checked by takes"),
+            per_row(sum, &logits).expect("checked by takes"),
         );
         let (p, results) = for_rows(logits, |r, row| {
             let m = old_max[r].max(max_of(row));
@@ -566,7 +591,7 @@ mod flex {
 
     /// [`super::FlashAttentionOps::flash_probabilities`] for tensors [`takes`] takes.
     pub(super) fn probabilities(logits: T, lse: &T) -> T {
-        let shift = elements(lse).expect("checked by takes");
+        let shift = per_row(lse, &logits).expect("checked by takes");
         for_rows(logits, |r, row| {
             exp_shifted(row, shift[r]);
         })
