@@ -207,17 +207,27 @@ def measure(args, attention, device, dtype):
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                                   lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
 
+    phases = []  # (forward+backward, clipping, optimizer) seconds of each step, as diffzoo times them
+
     def step():
+        start = time.perf_counter()
         logits = model(inputs).float()
         loss = F.cross_entropy(logits.reshape(-1, args.vocab), targets.reshape(-1))
         loss.backward()
+        loss.item()
+        sync()
+        backward_done = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        sync()
+        clipped = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss.item()
+        sync()
+        phases.append((backward_done - start, clipped - backward_done, time.perf_counter() - clipped))
 
     memory.reset()
     step_s = timed(step, args.warmup, args.reps, sync)
+    timed_phases = phases[-args.reps:]
     peak = memory.peak()
     del optimizer
     forward_s = timed(forward, args.warmup, args.reps, sync)
@@ -229,6 +239,10 @@ def measure(args, attention, device, dtype):
         "forward_spread": spread(n, forward_s),
         "step_spread": spread(n, step_s),
         "peak_bytes": peak,
+        "step_phases": {
+            name: statistics.median(p[i] for p in timed_phases)
+            for i, name in enumerate(["forward_backward", "clipping", "optimizer"])
+        },
     }
 
 

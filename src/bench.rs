@@ -6,7 +6,9 @@
 //! passes are timed after `--warmup` untimed ones each, and the medians reported. A step is the
 //! trainer's: forward, mean cross-entropy (f32), backward, gradients clipped to global norm 1,
 //! AdamW with the default optimizer settings, the loss read back, the device synchronised. A
-//! forward pass runs without autodiff and reads back one number.
+//! forward pass runs without autodiff and reads back one number. Each step is also timed in three
+//! phases, the device synchronised between them (forward and backward with the loss read back,
+//! clipping, the optimizer), and their medians printed under the table, PyTorch's beside ours.
 //!
 //! Peak memory during the steps: the largest reservation of the device allocator seen after each
 //! step where the backend reports one (CubeCL backends), otherwise on CPU devices the growth of
@@ -248,6 +250,51 @@ pub struct Measurement {
     /// process that started the measurement).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub competing_cores: Option<f64>,
+    /// Where a training step's time goes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_phases: Option<StepPhases>,
+}
+
+/// A training step's phases, each the median over the timed repetitions, in seconds.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
+pub struct StepPhases {
+    /// The forward and backward passes, the loss read back and the gradients collected.
+    pub forward_backward: f64,
+    /// Clipping the gradients to a global norm of 1.
+    pub clipping: f64,
+    /// AdamW's update, the device synchronised.
+    pub optimizer: f64,
+}
+
+impl StepPhases {
+    /// The medians of the last `reps` of `phases` (the timed repetitions after the warm-up).
+    fn of(phases: &[[f64; 3]], reps: usize) -> Option<Self> {
+        let timed = &phases[phases.len().saturating_sub(reps)..];
+        let median_of = |i: usize| {
+            let mut values: Vec<f64> = timed.iter().map(|p| p[i]).collect();
+            (!values.is_empty()).then(|| median(&mut values))
+        };
+        Some(Self {
+            forward_backward: median_of(0)?,
+            clipping: median_of(1)?,
+            optimizer: median_of(2)?,
+        })
+    }
+
+    /// `forward+backward 2.95 s (92%), clipping 131.2 ms (4%), optimizer …`.
+    fn describe(&self) -> String {
+        let total = self.forward_backward + self.clipping + self.optimizer;
+        let phase = |name: &str, s: f64| match s >= 1.0 {
+            true => format!("{name} {s:.2} s ({:.0}%)", 100.0 * s / total),
+            false => format!("{name} {:.1} ms ({:.0}%)", 1e3 * s, 100.0 * s / total),
+        };
+        [
+            phase("forward+backward", self.forward_backward),
+            phase("clipping", self.clipping),
+            phase("optimizer", self.optimizer),
+        ]
+        .join(", ")
+    }
 }
 
 /// What PyTorch's harness printed.
@@ -515,6 +562,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         println!("{report}");
     } else {
         print_table(args, &shape, &torch, &rows);
+        print_phases(&rows);
         if let Some(roofline) = &roofline {
             print_roofline(args, roofline, &rows);
         }
@@ -556,6 +604,29 @@ fn measure_roofline(args: &BenchArgs) -> Result<Roofline> {
         roofline.torch_matmul_bf16 = peaks["matmul_bf16"].as_f64();
     }
     Ok(roofline)
+}
+
+/// Under the table: where each step's time went, ours and PyTorch's.
+fn print_phases(rows: &[Row]) {
+    let phased: Vec<_> = rows
+        .iter()
+        .filter_map(|row| Some((row, row.ours.step_phases?)))
+        .collect();
+    if phased.is_empty() {
+        return;
+    }
+    println!("\nstep phases (median):");
+    for (row, phases) in phased {
+        println!(
+            "  {} {}: {}",
+            row.device,
+            row.ours.attention,
+            phases.describe()
+        );
+        if let Some(theirs) = row.torch.as_ref().and_then(|t| t.step_phases) {
+            println!("    PyTorch: {}", theirs.describe());
+        }
+    }
 }
 
 /// The roofline under the table: the limits, and each step's share of the matmul peak.
@@ -802,8 +873,10 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
     // Resetting the peak resident set makes it the current one; no figure if that is refused.
     let rss_reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
     let mut pool_peak = None;
+    let mut phases = Vec::new();
     let step = timed(tokens, args.warmup, args.reps, || {
         let model = trained.take().expect("the model between steps");
+        let started = Instant::now();
         let mut accumulator = GradientsAccumulator::new();
         let loss = step::backward(&model, &batch, args.recompute(), None, |grads| {
             accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
@@ -813,12 +886,23 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
             bail!("non-finite loss {value}");
         }
         let mut g = accumulator.grads();
+        let sync = || {
+            device
+                .sync()
+                .map_err(|e| anyhow!("{spec}: the step failed: {e:?}"))
+        };
+        let backward_done = Instant::now();
         grads::clip_global_norm(&model, &mut g, 1.0);
+        sync()?;
+        let clipped = Instant::now();
         trained = Some(optimizer.step(1e-4, model, g));
         // On a GPU the update is still queued: the step ends when the device is idle.
-        device
-            .sync()
-            .map_err(|e| anyhow!("{spec}: the step failed: {e:?}"))?;
+        sync()?;
+        phases.push([
+            (backward_done - started).as_secs_f64(),
+            (clipped - backward_done).as_secs_f64(),
+            clipped.elapsed().as_secs_f64(),
+        ]);
         if let Some(usage) = device.memory_pool_usage() {
             pool_peak = pool_peak.max(Some(usage.bytes_reserved));
         }
@@ -846,6 +930,7 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
         step_spread: Some(step),
         competing_cores: None,
         peak_bytes,
+        step_phases: StepPhases::of(&phases, args.reps),
     };
     println!("{}", serde_json::to_string(&measurement)?);
     Ok(())
@@ -980,6 +1065,29 @@ mod tests {
         assert_eq!(torch_device("tch-cuda:0").as_deref(), Some("cuda:0"));
     }
 
+    #[test]
+    fn step_phases_are_the_medians_of_the_timed_repetitions() {
+        // The first is a warm-up step: left out.
+        let phases = [
+            [9.0, 9.0, 9.0],
+            [2.0, 0.25, 0.5],
+            [4.0, 0.75, 0.25],
+            [3.0, 0.5, 1.5],
+        ];
+        let of = StepPhases::of(&phases, 3).unwrap();
+        let expected = StepPhases {
+            forward_backward: 3.0,
+            clipping: 0.5,
+            optimizer: 0.5,
+        };
+        assert_eq!(of, expected);
+        assert_eq!(
+            of.describe(),
+            "forward+backward 3.00 s (75%), clipping 500.0 ms (12%), optimizer 500.0 ms (12%)"
+        );
+        assert_eq!(StepPhases::of(&[], 3), None);
+    }
+
     fn m(attention: &str, fwd: f64, step: f64, peak: Option<u64>) -> Measurement {
         Measurement {
             attention: attention.into(),
@@ -990,6 +1098,7 @@ mod tests {
             step_spread: None,
             peak_bytes: peak,
             competing_cores: None,
+            step_phases: None,
         }
     }
 

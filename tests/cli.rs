@@ -2658,6 +2658,12 @@ fn bench_measures_every_variant_and_compares_with_a_torch_harness() {
             assert_eq!(num(s, "median"), num(row, figure));
         }
         assert!(row["competing_cores"].as_f64().is_some(), "{row}");
+        // Each phase of a step, in seconds, took part of some repetition's step.
+        let slowest = 32.0 / num(&row["step_spread"], "min");
+        for phase in ["forward_backward", "clipping", "optimizer"] {
+            let seconds = num(&row["step_phases"], phase);
+            assert!(seconds > 0.0 && seconds <= slowest, "{phase}: {row}");
+        }
         // A peak needs the resident-set counter reset, which some containers refuse.
         if std::fs::write("/proc/self/clear_refs", "5").is_ok() {
             assert!(row["peak_bytes"].as_u64().unwrap() > 0);
@@ -2670,7 +2676,7 @@ fn bench_measures_every_variant_and_compares_with_a_torch_harness() {
     let fake = |params: u64| {
         let script = dir.path().join(format!("python-{params}"));
         let result = format!(
-            r#"{{"attention":"diff","params":{params},"forward_tokens_per_sec":1000.0,"step_tokens_per_sec":100.0,"peak_bytes":1000}}"#
+            r#"{{"attention":"diff","params":{params},"forward_tokens_per_sec":1000.0,"step_tokens_per_sec":100.0,"peak_bytes":1000,"step_phases":{{"forward_backward":0.5,"clipping":0.25,"optimizer":0.125}}}}"#
         );
         std::fs::write(
             &script,
@@ -2705,6 +2711,7 @@ fn bench_measures_every_variant_and_compares_with_a_torch_harness() {
     let row = &report["rows"][0];
     assert_eq!(report["torch"][0]["version"], "2.9.0");
     assert_eq!(row["torch"]["step_tokens_per_sec"], 100.0);
+    assert_eq!(row["torch"]["step_phases"]["clipping"], 0.25);
     let vs = &row["vs_torch"];
     // Ratios of the printed figures, up to JSON's last-digit rounding.
     let close = |a: f64, b: f64| assert!((a - b).abs() <= 1e-12 * b, "{a} vs {b}");
@@ -2873,6 +2880,10 @@ fn bench_flags_a_process_competing_for_the_cores() {
     );
     assert!(
         table.contains("warning: flex transformer step: other processes took"),
+        "{table}"
+    );
+    assert!(
+        table.contains("step phases (median):\n  flex transformer: forward+backward "),
         "{table}"
     );
     assert!(report["cpu_info"]["extensions"].is_array(), "{report}");
