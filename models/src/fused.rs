@@ -114,27 +114,12 @@ pub fn adamw(
     moment_2: Tensor<1>,
     step: AdamWStep,
 ) -> (Tensor<1>, Tensor<1>, Tensor<1>) {
-    let AdamWStep {
-        beta_1,
-        beta_2,
-        epsilon,
-        correction_1,
-        correction_2,
-        keep,
-        lr,
-    } = step;
     let (p, m, v) = <burn::backend::Dispatch as FusedOps>::adamw(
         param.into_dispatch(),
         grad.into_dispatch(),
         moment_1.into_dispatch(),
         moment_2.into_dispatch(),
-        beta_1,
-        beta_2,
-        epsilon,
-        correction_1,
-        correction_2,
-        keep,
-        lr,
+        step,
     );
     (
         Tensor::from_dispatch(p),
@@ -199,29 +184,13 @@ pub trait FusedOps: Backend {
 
     /// One AdamW step of a parameter that has moments (every step after its first), operation
     /// for operation as Burn's `AdamW`: see [`adamw`]. `(p', m', v')`.
-    #[allow(clippy::too_many_arguments)] // four tensors and AdamW's seven numbers
     fn adamw(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         moment_1: FloatTensor<Self>,
         moment_2: FloatTensor<Self>,
-        beta_1: f32,
-        beta_2: f32,
-        epsilon: f32,
-        correction_1: f32,
-        correction_2: f32,
-        keep: f32,
-        lr: f32,
+        step: AdamWStep,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let step = AdamWStep {
-            beta_1,
-            beta_2,
-            epsilon,
-            correction_1,
-            correction_2,
-            keep,
-            lr,
-        };
         adamw_plain::<Self>(param, grad, moment_1, moment_2, step)
     }
 
@@ -263,23 +232,8 @@ impl FusedOps for burn::backend::Flex {
         grad: FloatTensor<Self>,
         moment_1: FloatTensor<Self>,
         moment_2: FloatTensor<Self>,
-        beta_1: f32,
-        beta_2: f32,
-        epsilon: f32,
-        correction_1: f32,
-        correction_2: f32,
-        keep: f32,
-        lr: f32,
+        step: AdamWStep,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let step = AdamWStep {
-            beta_1,
-            beta_2,
-            epsilon,
-            correction_1,
-            correction_2,
-            keep,
-            lr,
-        };
         match flex::adamw_takes(&[&param, &grad, &moment_1, &moment_2]) {
             true => flex::adamw(param, &grad, moment_1, moment_2, step),
             false => adamw_plain::<Self>(param, grad, moment_1, moment_2, step),
