@@ -243,7 +243,7 @@ impl FusedOps for burn::backend::Flex {
 default_ops!(FusedOps);
 
 #[cfg(feature = "flex")]
-mod flex {
+pub(crate) mod flex {
     use super::AdamWStep;
     use crate::exp;
     use crate::rows::flex::dot;
@@ -254,7 +254,7 @@ mod flex {
     use rayon::prelude::*;
 
     /// A contiguous f32 tensor's elements (`None` for another dtype or layout).
-    fn elements(t: &FloatTensor<Flex>) -> Option<&[f32]> {
+    pub(crate) fn elements(t: &FloatTensor<Flex>) -> Option<&[f32]> {
         let layout = t.layout();
         let len = t.shape().num_elements();
         (t.dtype() == DType::F32 && layout.is_contiguous())

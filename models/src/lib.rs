@@ -59,6 +59,7 @@ pub mod budget;
 pub mod cache;
 pub mod config;
 pub mod convert;
+pub mod cross_entropy;
 #[cfg(feature = "flex")]
 mod exp;
 pub mod feed_forward;

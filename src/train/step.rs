@@ -12,11 +12,11 @@ use super::schedule::Schedule;
 use super::signals;
 use crate::recipe::Recompute;
 use burn::module::Module;
-use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType, FloatDType, Gradients, Tensor};
 use burn::train::{InferenceStep, Interrupter, TrainOutput, TrainStep};
 use diffzoo_datasets::LmBatch;
+use diffzoo_models::cross_entropy::cross_entropy;
 use diffzoo_models::{Model, compute_copy, target_log_probs};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Instant;
@@ -40,12 +40,10 @@ fn batch_loss(logits: Tensor<3>, batch: &LmBatch) -> Tensor<1> {
         return per_window.mean();
     }
     let [b, s, v] = logits.dims();
-    CrossEntropyLossConfig::new()
-        .init(&logits.device())
-        .forward(
-            logits.reshape([b * s, v]),
-            batch.targets.clone().reshape([b * s]),
-        )
+    cross_entropy(
+        logits.reshape([b * s, v]),
+        batch.targets.clone().reshape([b * s]),
+    )
 }
 
 /// Mean loss and token count over micro-batches, each micro-batch's loss from `loss`.
