@@ -92,6 +92,64 @@ fn swiglu_avx512(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// SwiGLU's gradients: for y = silu(g)·u and the incoming gradient d, with σ = 1 / (1 + e^(−g)),
+/// `d_gate = d·u·σ·(1 + g·(1 − σ))` and `d_up = d·g·σ`, for slices of one length.
+pub(crate) fn swiglu_backward(
+    gate: &[f32],
+    up: &[f32],
+    grad: &[f32],
+    d_gate: &mut [f32],
+    d_up: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F (checked above).
+        return unsafe { swiglu_backward_avx512(gate, up, grad, d_gate, d_up) };
+    }
+    for i in 0..d_gate.len().min(d_up.len()) {
+        let (g, u, d) = (gate[i], up[i], grad[i]);
+        let sigma = 1.0 / (1.0 + (-g).exp());
+        d_gate[i] = d * u * sigma * (1.0 + g * (1.0 - sigma));
+        d_up[i] = d * g * sigma;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn swiglu_backward_avx512(
+    gate: &[f32],
+    up: &[f32],
+    grad: &[f32],
+    d_gate: &mut [f32],
+    d_up: &mut [f32],
+) {
+    use core::arch::x86_64::*;
+    let len = [gate.len(), up.len(), grad.len(), d_up.len()]
+        .into_iter()
+        .fold(d_gate.len(), usize::min);
+    let one = _mm512_set1_ps(1.0);
+    for start in (0..len).step_by(16) {
+        let lanes: __mmask16 = match len - start {
+            n if n >= 16 => !0,
+            n => (1 << n) - 1,
+        };
+        // SAFETY: the masked loads and stores touch the lanes start..start + n < len of each
+        // slice (len is the shortest's length).
+        unsafe {
+            let g = _mm512_maskz_loadu_ps(lanes, gate.as_ptr().add(start));
+            let u = _mm512_maskz_loadu_ps(lanes, up.as_ptr().add(start));
+            let d = _mm512_maskz_loadu_ps(lanes, grad.as_ptr().add(start));
+            let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            let sigma = _mm512_div_ps(one, _mm512_add_ps(one, e));
+            let slope = _mm512_fmadd_ps(g, _mm512_sub_ps(one, sigma), one);
+            let dg = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(d, u), sigma), slope);
+            let du = _mm512_mul_ps(_mm512_mul_ps(d, g), sigma);
+            _mm512_mask_storeu_ps(d_gate.as_mut_ptr().add(start), lanes, dg);
+            _mm512_mask_storeu_ps(d_up.as_mut_ptr().add(start), lanes, du);
+        }
+    }
+}
+
 /// The largest of `row`'s values (−∞ for none).
 pub(crate) fn max_of(row: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]

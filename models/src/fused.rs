@@ -1,23 +1,31 @@
-//! RMSNorm and RoPE as the decoder computes them, each in one pass over its rows on Flex:
+//! RMSNorm, RoPE, SwiGLU's gate and AdamW's update as the decoder and trainer compute them, each
+//! in one pass on Flex:
 //!
 //! ```text
 //! RMSNorm(x) = x / √(mean(x²) + ε) · γ                      (per row, mean over d_model)
 //! RoPE(x)[2i]   = x[2i]·cos(tθᵢ) − x[2i+1]·sin(tθᵢ)          (per head, position t)
 //! RoPE(x)[2i+1] = x[2i+1]·cos(tθᵢ) + x[2i]·sin(tθᵢ)
+//! SwiGLU(g, u) = silu(g)·u = g·σ(g)·u,   σ(g) = 1 / (1 + e^(−g))
+//! ∂/∂g = d·u·σ(g)·(1 + g·(1 − σ(g))),   ∂/∂u = d·g·σ(g)        (d: the incoming gradient)
 //! ```
 //!
-//! Burn's ops spend a dozen passes (and as many tensors) on each: with Flex in f32 a decoding
-//! step at a 135M model's shape made about 50 such small ops per layer. Here each is one pass,
-//! taken by Flex without autodiff for contiguous f32 tensors; training
-//! (autodiff) and every other backend or dtype take Burn's ops, `RmsNorm::forward` and
-//! [`rotary_plain`]. RoPE gives the same numbers (the same products and sums in the same order);
-//! RMSNorm's mean of squares is summed in another order than Flex's `mean_dim`: results agree to
-//! f32 rounding.
+//! and AdamW as [`adamw`] states it. Burn's ops spend a dozen passes (and as many tensors) on each:
+//! with Flex in f32 a decoding step at a 135M model's shape made about 50 such small ops per
+//! layer. Here each is one pass, taken by Flex for contiguous f32 tensors: RMSNorm and RoPE
+//! without autodiff (training takes Burn's ops, `RmsNorm::forward` and [`rotary_plain`]), SwiGLU
+//! also under autodiff, as one operation with the backward above; every other backend or dtype
+//! takes Burn's ops. RoPE gives the same numbers (the same products and sums in the same order),
+//! AdamW the same bits; RMSNorm's mean of squares is summed in another order than Flex's
+//! `mean_dim` and SwiGLU's exponential is [`crate::exp`]'s: results agree to f32 rounding.
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
 #![allow(deprecated)]
 
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Backend, backend_extension};
+use burn::backend::{Autodiff, Backend, backend_extension};
 use burn::nn::{RmsNorm, RotaryEncoding};
 use burn::tensor::activation::silu;
 use burn::tensor::{Scalar, Tensor};
@@ -182,6 +190,16 @@ pub trait FusedOps: Backend {
         None
     }
 
+    /// SwiGLU's gradients `(∂gate, ∂up)` from its inputs and the gradient of `silu(gate) ⊙ up`
+    /// (see [`crate::exp`]'s `swiglu_backward` for the formulas).
+    fn swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        swiglu_backward_plain::<Self>(gate, up, grad)
+    }
+
     /// One AdamW step of a parameter that has moments (every step after its first), operation
     /// for operation as Burn's `AdamW`: see [`adamw`]. `(p', m', v')`.
     fn adamw(
@@ -219,6 +237,15 @@ impl FusedOps for burn::backend::Flex {
         flex::swiglu(&gate, &up)
     }
 
+    fn swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        flex::swiglu_backward(&gate, &up, &grad)
+            .unwrap_or_else(|| swiglu_backward_plain::<Self>(gate, up, grad))
+    }
+
     fn rotary(
         x: FloatTensor<Self>,
         table: FloatTensor<Self>,
@@ -240,7 +267,72 @@ impl FusedOps for burn::backend::Flex {
         }
     }
 }
-default_ops!(FusedOps);
+default_ops!(FusedOps, no_autodiff);
+
+/// Under autodiff SwiGLU's gate is one operation with its own backward where the backend
+/// computes it in one pass (Flex): its forward keeps `gate` and `up`, its backward is
+/// [`FusedOps::swiglu_backward`]. The other operations take Burn's ops under autodiff.
+impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        let guards = [gate.node(), up.node()];
+        let [gate, up] = [gate, up].map(|t| t.into_primitive());
+        let out = B::swiglu(gate.clone(), up.clone())?;
+        Some(
+            match SwigluBackward
+                .prepare::<C>(guards)
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish((gate, up), out),
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            },
+        )
+    }
+}
+
+#[derive(Debug)]
+struct SwigluBackward;
+
+impl<B: Backend + FusedOps> Backward<B, 2> for SwigluBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (gate, up) = ops.state;
+        let grad = grads.consume::<B>(&ops.node);
+        let (d_gate, d_up) = B::swiglu_backward(gate, up, grad);
+        for (parent, grad) in ops.parents.into_iter().zip([d_gate, d_up]) {
+            if let Some(node) = parent {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+/// [`FusedOps::swiglu_backward`] by Burn's operations.
+fn swiglu_backward_plain<B: Backend>(
+    gate: FloatTensor<B>,
+    up: FloatTensor<B>,
+    grad: FloatTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let one = || Scalar::from(1.0f32);
+    let sigma = B::float_recip(B::float_add_scalar(
+        B::float_exp(B::float_neg(gate.clone())),
+        one(),
+    ));
+    let slope = B::float_add_scalar(
+        B::float_mul(
+            gate.clone(),
+            B::float_add_scalar(B::float_neg(sigma.clone()), one()),
+        ),
+        one(),
+    );
+    let d_gate = B::float_mul(
+        B::float_mul(B::float_mul(grad.clone(), up), sigma.clone()),
+        slope,
+    );
+    let d_up = B::float_mul(B::float_mul(grad, gate), sigma);
+    (d_gate, d_up)
+}
 
 #[cfg(feature = "flex")]
 pub(crate) mod flex {
@@ -363,6 +455,29 @@ pub(crate) mod flex {
                 }
             });
         (p, m, v)
+    }
+
+    pub(super) fn swiglu_backward(
+        gate: &FloatTensor<Flex>,
+        up: &FloatTensor<Flex>,
+        grad: &FloatTensor<Flex>,
+    ) -> Option<(FloatTensor<Flex>, FloatTensor<Flex>)> {
+        let (g, u, d) = (elements(gate)?, elements(up)?, elements(grad)?);
+        if gate.shape() != up.shape() || gate.shape() != grad.shape() {
+            return None;
+        }
+        let (mut d_gate, mut d_up) = (vec![0.0f32; g.len()], vec![0.0f32; g.len()]);
+        const PART: usize = 1 << 15;
+        d_gate
+            .par_chunks_mut(PART)
+            .zip(d_up.par_chunks_mut(PART))
+            .zip(
+                g.par_chunks(PART)
+                    .zip(u.par_chunks(PART))
+                    .zip(d.par_chunks(PART)),
+            )
+            .for_each(|((dg, du), ((g, u), d))| exp::swiglu_backward(g, u, d, dg, du));
+        Some((like(d_gate, gate), like(d_up, gate)))
     }
 
     pub(super) fn rotary(

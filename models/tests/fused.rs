@@ -1,6 +1,7 @@
 //! `fused`: RMSNorm, RoPE and SwiGLU's gate in one pass on Flex equal Burn's ops on every backend
 //! (RoPE exactly on the CPU backends, RMSNorm and the gate to f32 rounding), for contiguous inputs
-//! (the fused pass) and strided ones (Burn's ops), and under autodiff give Burn's gradients.
+//! (the fused pass) and strided ones (Burn's ops), and under autodiff give Burn's gradients (the
+//! gate through its own backward on Flex).
 
 mod common;
 
@@ -73,6 +74,32 @@ fn swiglu_equals_burns_silu_times_up() {
                 1e-5,
                 1e-6,
             );
+        }
+    }
+}
+
+#[test]
+fn swiglu_gradients_are_burns_under_autodiff() {
+    for (backend, device) in backends() {
+        let device = device.autodiff();
+        // More elements than one part of the pass, rows not a multiple of sixteen lanes.
+        for shape in [[2, 3, 37], [1, 70, 1000]] {
+            let gate = (random(shape, &device) * 8.0).require_grad();
+            let up = random(shape, &device).require_grad();
+            let weights = random(shape, &device);
+            let ours = (fused::swiglu(gate.clone(), up.clone()) * weights.clone())
+                .sum()
+                .backward();
+            let theirs = (silu(gate.clone()) * up.clone() * weights).sum().backward();
+            for (name, input) in [("gate", &gate), ("up", &up)] {
+                assert_close(
+                    &format!("{backend}: {shape:?}, ∂{name}"),
+                    input.grad(&ours).unwrap(),
+                    input.grad(&theirs).unwrap(),
+                    1e-5,
+                    1e-5,
+                );
+            }
         }
     }
 }
