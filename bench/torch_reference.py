@@ -227,7 +227,7 @@ def measure(args, attention, device, dtype):
 
     memory.reset()
     step_s = timed(step, args.warmup, args.reps, sync)
-    timed_phases = phases[-args.reps:]
+    timed_phases = phases[len(phases) - args.reps:]
     peak = memory.peak()
     del optimizer
     forward_s = timed(forward, args.warmup, args.reps, sync)

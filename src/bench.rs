@@ -891,6 +891,7 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
                 .sync()
                 .map_err(|e| anyhow!("{spec}: the step failed: {e:?}"))
         };
+        sync()?;
         let backward_done = Instant::now();
         grads::clip_global_norm(&model, &mut g, 1.0);
         sync()?;

@@ -11,8 +11,9 @@
 //! mean, and autodiff differentiates each: a dozen passes over logits that at a 135M model's
 //! vocabulary are 100 MB per 512 tokens, two of them through glibc's scalar `expf`. On Flex (f32,
 //! contiguous logits) the forward is two reading passes per row (its maximum, then its sum of
-//! exponentials, sixteen lanes at a time: [`crate::exp`]) and the backward one writing pass, L
-//! kept between them (N floats). Elsewhere [`cross_entropy`] is Burn's loss.
+//! exponentials, sixteen lanes at a time: [`crate::exp`]) and the backward writes each row of the
+//! gradient once (then exponentiates and scales it while it is in cache), L kept between them (N
+//! floats). Elsewhere [`cross_entropy`] is Burn's loss.
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
 #![allow(deprecated)]
 

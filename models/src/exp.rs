@@ -106,7 +106,10 @@ pub(crate) fn swiglu_backward(
         // SAFETY: the CPU has AVX-512F (checked above).
         return unsafe { swiglu_backward_avx512(gate, up, grad, d_gate, d_up) };
     }
-    for i in 0..d_gate.len().min(d_up.len()) {
+    let len = [gate.len(), up.len(), grad.len(), d_up.len()]
+        .into_iter()
+        .fold(d_gate.len(), usize::min);
+    for i in 0..len {
         let (g, u, d) = (gate[i], up[i], grad[i]);
         let sigma = 1.0 / (1.0 + (-g).exp());
         d_gate[i] = d * u * sigma * (1.0 + g * (1.0 - sigma));

@@ -502,25 +502,12 @@ mod flex {
     /// dimensions), in row order: its elements when contiguous, else read through its strides (a
     /// block's rows of L, say); `None` for another dtype, shape or a negative stride.
     fn per_row<'a>(t: &'a T, logits: &T) -> Option<Cow<'a, [f32]>> {
-        let (shape, rows_shape) = (t.shape(), logits.shape());
-        let n = shape.num_dims();
-        if t.dtype() != DType::F32
-            || n != rows_shape.num_dims()
-            || shape[n - 1] != 1
-            || shape[..n - 1] != rows_shape[..n - 1]
-        {
-            return None;
-        }
-        let (layout, data) = (t.layout(), t.storage::<f32>());
-        let len = shape.num_elements();
+        let strides = per_row_strides(t, logits)?;
+        let (shape, layout, data) = (t.shape(), t.layout(), t.storage::<f32>());
+        let (n, len) = (shape.num_dims(), shape.num_elements());
         if layout.is_contiguous() {
             return Some(Cow::Borrowed(&data[layout.start_offset()..][..len]));
         }
-        let strides: Vec<usize> = layout
-            .strides()
-            .iter()
-            .map(|&s| usize::try_from(s).ok())
-            .collect::<Option<_>>()?;
         let values = (0..len)
             .map(|row| {
                 let (mut rest, mut at) = (row, layout.start_offset());
@@ -534,6 +521,25 @@ mod flex {
         Some(Cow::Owned(values))
     }
 
+    /// `t`'s strides if it is f32, `[.., r, 1]` with the leading dimensions of `logits`
+    /// `[.., r, c]`, and no stride is negative.
+    fn per_row_strides(t: &T, logits: &T) -> Option<Vec<usize>> {
+        let (shape, rows_shape) = (t.shape(), logits.shape());
+        let n = shape.num_dims();
+        if t.dtype() != DType::F32
+            || n != rows_shape.num_dims()
+            || shape[n - 1] != 1
+            || shape[..n - 1] != rows_shape[..n - 1]
+        {
+            return None;
+        }
+        t.layout()
+            .strides()
+            .iter()
+            .map(|&s| usize::try_from(s).ok())
+            .collect()
+    }
+
     /// Whether `logits` can be rewritten in place (f32, contiguous from offset 0, rows not
     /// empty) and each of `per_row` gives one value per row ([`per_row`]).
     pub(super) fn takes(logits: &T, per_row_tensors: &[&T]) -> bool {
@@ -542,7 +548,9 @@ mod flex {
             && layout.is_contiguous()
             && layout.start_offset() == 0
             && shape[shape.num_dims() - 1] > 0
-            && per_row_tensors.iter().all(|t| per_row(t, logits).is_some())
+            && per_row_tensors
+                .iter()
+                .all(|t| per_row_strides(t, logits).is_some())
     }
 
     /// `f(row index, row)` for every row of `logits`' storage (unique, made so if shared), on
