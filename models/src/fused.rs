@@ -6,29 +6,36 @@
 //! RoPE(x)[2i]   = x[2i]·cos(tθᵢ) − x[2i+1]·sin(tθᵢ)          (per head, position t)
 //! RoPE(x)[2i+1] = x[2i+1]·cos(tθᵢ) + x[2i]·sin(tθᵢ)
 //! SwiGLU(g, u) = silu(g)·u = g·σ(g)·u,   σ(g) = 1 / (1 + e^(−g))
-//! ∂/∂g = d·u·σ(g)·(1 + g·(1 − σ(g))),   ∂/∂u = d·g·σ(g)        (d: the incoming gradient)
 //! ```
 //!
-//! and AdamW as [`adamw`] states it. Burn's ops spend a dozen passes (and as many tensors) on each:
-//! with Flex in f32 a decoding step at a 135M model's shape made about 50 such small ops per
-//! layer. Here each is one pass, taken by Flex for contiguous f32 tensors: RMSNorm and RoPE
-//! without autodiff (training takes Burn's ops, `RmsNorm::forward` and [`rotary_plain`]), SwiGLU
-//! also under autodiff, as one operation with the backward above; every other backend or dtype
+//! with their gradients (d: the incoming gradient, r = 1/√(mean(x²) + ε) per row of D):
+//!
+//! ```text
+//! RMSNorm:  ∂x = r·(d⊙γ − x·r²·⟨d⊙γ, x⟩/D),   ∂γ = Σ_rows d⊙x·r
+//! RoPE:     ∂x = RoPE of d by (cos, −sin)        (the inverse rotation)
+//! SwiGLU:   ∂g = d·u·σ(g)·(1 + g·(1 − σ(g))),   ∂u = d·g·σ(g)
+//! ```
+//!
+//! and AdamW as [`adamw`] states it. Burn's ops spend a dozen passes (and as many tensors) on each,
+//! and autodiff as many again backward: with Flex in f32 a decoding step at a 135M model's shape
+//! made about 50 such small ops per layer. Here each is one pass, taken by Flex for contiguous f32
+//! tensors, under autodiff as one operation with the backward above; every other backend or dtype
 //! takes Burn's ops. RoPE gives the same numbers (the same products and sums in the same order),
 //! AdamW the same bits; RMSNorm's mean of squares is summed in another order than Flex's
 //! `mean_dim` and SwiGLU's exponential is [`crate::exp`]'s: results agree to f32 rounding.
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
 #![allow(deprecated)]
 
+use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Autodiff, Backend, backend_extension};
+use burn::backend::{Autodiff, Backend, TensorMetadata, backend_extension};
 use burn::nn::{RmsNorm, RotaryEncoding};
 use burn::tensor::activation::silu;
-use burn::tensor::{Scalar, Tensor};
+use burn::tensor::{Scalar, Shape, Slice, Tensor, TensorData};
 
 /// `silu(gate) ⊙ up` (SwiGLU's gating), in one pass where Flex takes it.
 pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
@@ -185,6 +192,17 @@ pub trait FusedOps: Backend {
         None
     }
 
+    /// RMSNorm's gradients `(∂x, ∂γ)` from its input, γ, ε and its output's gradient (called
+    /// only where [`FusedOps::rms_norm`] was taken).
+    fn rms_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        rms_norm_backward_plain::<Self>(x, gamma, grad, epsilon)
+    }
+
     /// `silu(gate) ⊙ up` for tensors of one shape; `None`: not taken.
     fn swiglu(_gate: FloatTensor<Self>, _up: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
         None
@@ -221,6 +239,16 @@ pub trait FusedOps: Backend {
     ) -> Option<FloatTensor<Self>> {
         None
     }
+
+    /// The gradient of [`FusedOps::rotary`]'s input from its output's `grad` `[B, S, heads·d]`:
+    /// the inverse rotation (called only where the rotation was taken).
+    fn rotary_backward(
+        grad: FloatTensor<Self>,
+        table: FloatTensor<Self>,
+        heads: usize,
+    ) -> FloatTensor<Self> {
+        rotary_backward_plain::<Self>(grad, table, heads)
+    }
 }
 
 #[cfg(feature = "flex")]
@@ -231,6 +259,16 @@ impl FusedOps for burn::backend::Flex {
         epsilon: f64,
     ) -> Option<FloatTensor<Self>> {
         flex::rms_norm(&x, &gamma, epsilon)
+    }
+
+    fn rms_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        flex::rms_norm_backward(&x, &gamma, &grad, epsilon)
+            .unwrap_or_else(|| rms_norm_backward_plain::<Self>(x, gamma, grad, epsilon))
     }
 
     fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
@@ -251,7 +289,16 @@ impl FusedOps for burn::backend::Flex {
         table: FloatTensor<Self>,
         heads: usize,
     ) -> Option<FloatTensor<Self>> {
-        flex::rotary(&x, &table, heads)
+        flex::rotary(&x, &table, heads, 1.0)
+    }
+
+    fn rotary_backward(
+        grad: FloatTensor<Self>,
+        table: FloatTensor<Self>,
+        heads: usize,
+    ) -> FloatTensor<Self> {
+        flex::rotary(&grad, &table, heads, -1.0)
+            .unwrap_or_else(|| rotary_backward_plain::<Self>(grad, table, heads))
     }
 
     fn adamw(
@@ -269,10 +316,44 @@ impl FusedOps for burn::backend::Flex {
 }
 default_ops!(FusedOps, no_autodiff);
 
-/// Under autodiff SwiGLU's gate is one operation with its own backward where the backend
-/// computes it in one pass (Flex): its forward keeps `gate` and `up`, its backward is
-/// [`FusedOps::swiglu_backward`]. The other operations take Burn's ops under autodiff.
+/// Under autodiff RMSNorm, RoPE and SwiGLU's gate are each one operation with its own backward
+/// where the backend computes them in one pass (Flex): RMSNorm keeps x and γ (r is recomputed
+/// backward), RoPE only its table, SwiGLU `gate` and `up`. AdamW runs outside autodiff.
 impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
+    fn rms_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> Option<FloatTensor<Self>> {
+        let guards = [x.node(), gamma.node()];
+        let [x, gamma] = [x, gamma].map(|t| t.into_primitive());
+        let out = B::rms_norm(x.clone(), gamma.clone(), epsilon)?;
+        let backward = RmsNormBackward { epsilon };
+        Some(
+            match backward.prepare::<C>(guards).compute_bound().stateful() {
+                OpsKind::Tracked(prep) => prep.finish((x, gamma), out),
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            },
+        )
+    }
+
+    fn rotary(
+        x: FloatTensor<Self>,
+        table: FloatTensor<Self>,
+        heads: usize,
+    ) -> Option<FloatTensor<Self>> {
+        let guard = [x.node()];
+        let (x, table) = (x.into_primitive(), table.into_primitive());
+        let out = B::rotary(x, table.clone(), heads)?;
+        let backward = RotaryBackward { heads };
+        Some(
+            match backward.prepare::<C>(guard).compute_bound().stateful() {
+                OpsKind::Tracked(prep) => prep.finish(table, out),
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            },
+        )
+    }
+
     fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
         let guards = [gate.node(), up.node()];
         let [gate, up] = [gate, up].map(|t| t.into_primitive());
@@ -290,6 +371,54 @@ impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     }
 }
 
+/// Registers each gradient with its parent (`ops.parents`' ids), where the parent is tracked.
+fn register<B: Backend, const N: usize>(
+    grads: &mut Gradients,
+    parents: [Option<NodeId>; N],
+    gradients: [FloatTensor<B>; N],
+) {
+    for (parent, grad) in parents.into_iter().zip(gradients) {
+        if let Some(id) = parent {
+            grads.register::<B>(id, grad);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct RmsNormBackward {
+    epsilon: f64,
+}
+
+impl<B: Backend + FusedOps> Backward<B, 2> for RmsNormBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (x, gamma) = ops.state;
+        let grad = grads.consume::<B>(&ops.node);
+        let (d_x, d_gamma) = B::rms_norm_backward(x, gamma, grad, self.epsilon);
+        register::<B, 2>(
+            grads,
+            ops.parents.map(|p| p.map(|node| node.id)),
+            [d_x, d_gamma],
+        );
+    }
+}
+
+#[derive(Debug)]
+struct RotaryBackward {
+    heads: usize,
+}
+
+impl<B: Backend + FusedOps> Backward<B, 1> for RotaryBackward {
+    type State = FloatTensor<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let d_x = B::rotary_backward(grad, ops.state, self.heads);
+        register::<B, 1>(grads, ops.parents.map(|p| p.map(|node| node.id)), [d_x]);
+    }
+}
+
 #[derive(Debug)]
 struct SwigluBackward;
 
@@ -300,12 +429,77 @@ impl<B: Backend + FusedOps> Backward<B, 2> for SwigluBackward {
         let (gate, up) = ops.state;
         let grad = grads.consume::<B>(&ops.node);
         let (d_gate, d_up) = B::swiglu_backward(gate, up, grad);
-        for (parent, grad) in ops.parents.into_iter().zip([d_gate, d_up]) {
-            if let Some(node) = parent {
-                grads.register::<B>(node.id, grad);
-            }
-        }
+        register::<B, 2>(
+            grads,
+            ops.parents.map(|p| p.map(|node| node.id)),
+            [d_gate, d_up],
+        );
     }
+}
+
+/// [`FusedOps::rms_norm_backward`] by Burn's operations, over the rows `[N, D]` of `x`.
+fn rms_norm_backward_plain<B: Backend>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    epsilon: f64,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let shape = x.shape();
+    let d = gamma.shape()[0];
+    let rows = || Shape::new([shape.num_elements() / d, d]);
+    let (x, grad) = (B::float_reshape(x, rows()), B::float_reshape(grad, rows()));
+    let mean_square = B::float_mean_dim(B::float_mul(x.clone(), x.clone()), 1);
+    let r = B::float_recip(B::float_sqrt(B::float_add_scalar(
+        mean_square,
+        Scalar::from(epsilon as f32),
+    )));
+    let x_r = B::float_mul(x, r.clone());
+    let d_gamma = B::float_sum_dim(B::float_mul(grad.clone(), x_r.clone()), 0);
+    let d_gamma = B::float_reshape(d_gamma, Shape::new([d]));
+    let d_g = B::float_mul(grad, B::float_reshape(gamma, Shape::new([1, d])));
+    // ⟨d⊙γ, x⟩·r/D, so that r·(x·r)·that is the second term.
+    let projection = B::float_mean_dim(B::float_mul(d_g.clone(), x_r.clone()), 1);
+    let d_x = B::float_mul(B::float_sub(d_g, B::float_mul(x_r, projection)), r);
+    (B::float_reshape(d_x, shape), d_gamma)
+}
+
+/// [`FusedOps::rotary_backward`] by Burn's operations: [`rotary_plain`]'s rotation with sin
+/// negated, `d ⊙ cos + swap(d) ⊙ (±sin)`.
+fn rotary_backward_plain<B: Backend>(
+    grad: FloatTensor<B>,
+    table: FloatTensor<B>,
+    heads: usize,
+) -> FloatTensor<B> {
+    let shape = grad.shape();
+    let [b, s, width] = shape.dims();
+    let d = width / heads;
+    let (device, dtype) = (grad.device(), table.dtype());
+    let table = B::float_reshape(table, Shape::new([s, d, 2]));
+    let column = |i: usize| {
+        let slices = [Slice::from(0..s), Slice::from(0..d), Slice::from(i..i + 1)];
+        B::float_reshape(
+            B::float_slice(table.clone(), &slices),
+            Shape::new([1, s, 1, d]),
+        )
+    };
+    let sign = TensorData::new(vec![1.0f32, -1.0], [1, 1, 2]).convert_dtype(dtype);
+    let sin = B::float_mul(
+        B::float_reshape(column(1), Shape::new([s, d / 2, 2])),
+        B::float_from_data(sign, &device),
+    );
+    let grad = B::float_reshape(grad, Shape::new([b, s, heads, d]));
+    let swapped = B::float_flip(
+        B::float_reshape(grad.clone(), Shape::new([b, s, heads, d / 2, 2])),
+        &[4],
+    );
+    let d_x = B::float_add(
+        B::float_mul(grad, column(0)),
+        B::float_mul(
+            B::float_reshape(swapped, Shape::new([b, s, heads, d])),
+            B::float_reshape(sin, Shape::new([1, s, 1, d])),
+        ),
+    );
+    B::float_reshape(d_x, shape)
 }
 
 /// [`FusedOps::swiglu_backward`] by Burn's operations.
@@ -376,6 +570,51 @@ pub(crate) mod flex {
             }
         }
         Some(like(y, x))
+    }
+
+    /// RMSNorm's `(∂x, ∂γ)` (the module's equations), rows in parts over rayon's threads; each
+    /// part's ∂γ summed, then the parts in order (the same sum on every run).
+    pub(super) fn rms_norm_backward(
+        x: &FloatTensor<Flex>,
+        gamma: &FloatTensor<Flex>,
+        grad: &FloatTensor<Flex>,
+        epsilon: f64,
+    ) -> Option<(FloatTensor<Flex>, FloatTensor<Flex>)> {
+        let (xs, gamma_s, ds) = (elements(x)?, elements(gamma)?, elements(grad)?);
+        let d = gamma_s.len();
+        if d == 0 || x.shape().last() != Some(&d) || x.shape() != grad.shape() {
+            return None;
+        }
+        const ROWS: usize = 32;
+        let mut d_x = vec![0.0f32; xs.len()];
+        let parts: Vec<Vec<f32>> = d_x
+            .par_chunks_mut(ROWS * d)
+            .zip(xs.par_chunks(ROWS * d).zip(ds.par_chunks(ROWS * d)))
+            .map(|(d_x, (xs, ds))| {
+                let mut d_gamma = vec![0.0f32; d];
+                let rows = d_x.chunks_exact_mut(d).zip(xs.chunks_exact(d));
+                for ((d_x, x), dy) in rows.zip(ds.chunks_exact(d)) {
+                    let r = 1.0 / ((dot(x, x) / d as f32) + epsilon as f32).sqrt();
+                    let terms = dy.iter().zip(x).zip(gamma_s);
+                    for ((out, sum), ((dy, x), g)) in d_x.iter_mut().zip(&mut d_gamma).zip(terms) {
+                        *out = dy * g;
+                        *sum += dy * x * r;
+                    }
+                    let c = r * r * dot(d_x, x) / d as f32;
+                    for (out, x) in d_x.iter_mut().zip(x) {
+                        *out = r * (*out - x * c);
+                    }
+                }
+                d_gamma
+            })
+            .collect();
+        let mut d_gamma = vec![0.0f32; d];
+        for part in parts {
+            for (sum, g) in d_gamma.iter_mut().zip(part) {
+                *sum += g;
+            }
+        }
+        Some((like(d_x, x), like(d_gamma, gamma)))
     }
 
     pub(super) fn swiglu(
@@ -480,10 +719,13 @@ pub(crate) mod flex {
         Some((like(d_gate, gate), like(d_up, gate)))
     }
 
+    /// RoPE of `x` by the table's (cos, sin·`sign`): `sign` 1 rotates, −1 rotates back (the
+    /// backward). Rows in parts over rayon's threads.
     pub(super) fn rotary(
         x: &FloatTensor<Flex>,
         table: &FloatTensor<Flex>,
         heads: usize,
+        sign: f32,
     ) -> Option<FloatTensor<Flex>> {
         let xs = elements(x)?;
         let table = elements(table)?;
@@ -493,23 +735,23 @@ pub(crate) mod flex {
             return None;
         }
         let mut y = vec![0.0f32; xs.len()];
-        for (p, (row, out)) in xs
-            .chunks_exact(width)
-            .zip(y.chunks_exact_mut(width))
+        y.par_chunks_mut(width)
+            .zip(xs.par_chunks(width))
             .enumerate()
-        {
-            // Position p % s; its [d, 2] table of (cos, sin), pairs repeated.
-            let angles = &table[(p % s) * d * 2..][..d * 2];
-            for (head, out) in row.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-                for i in (0..d).step_by(2) {
-                    let (x0, x1) = (head[i], head[i + 1]);
-                    let (cos0, sin0) = (angles[2 * i], angles[2 * i + 1]);
-                    let (cos1, sin1) = (angles[2 * i + 2], angles[2 * i + 3]);
-                    out[i] = x0 * cos0 + x1 * -sin0;
-                    out[i + 1] = x1 * cos1 + x0 * sin1;
+            .with_min_len(16)
+            .for_each(|(p, (out, row))| {
+                // Position p % s; its [d, 2] table of (cos, sin), pairs repeated.
+                let angles = &table[(p % s) * d * 2..][..d * 2];
+                for (head, out) in row.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+                    for i in (0..d).step_by(2) {
+                        let (x0, x1) = (head[i], head[i + 1]);
+                        let (cos0, sin0) = (angles[2 * i], sign * angles[2 * i + 1]);
+                        let (cos1, sin1) = (angles[2 * i + 2], sign * angles[2 * i + 3]);
+                        out[i] = x0 * cos0 + x1 * -sin0;
+                        out[i + 1] = x1 * cos1 + x0 * sin1;
+                    }
                 }
-            }
-        }
+            });
         Some(like(y, x))
     }
 }

@@ -1,15 +1,17 @@
 //! `fused`: RMSNorm, RoPE and SwiGLU's gate in one pass on Flex equal Burn's ops on every backend
 //! (RoPE exactly on the CPU backends, RMSNorm and the gate to f32 rounding), for contiguous inputs
-//! (the fused pass) and strided ones (Burn's ops), and under autodiff give Burn's gradients (the
-//! gate through its own backward on Flex).
-
+//! (the fused pass) and strided ones (Burn's ops); under autodiff each gives Burn's gradients
+//! (through its own backward on Flex), and each backward by Burn's operations (what a backend
+//! without its own takes) equals Flex's.
 mod common;
 
+use burn::backend::Dispatch;
+use burn::module::{Module, Param};
 use burn::nn::{RmsNormConfig, RotaryEncodingConfig};
 use burn::tensor::activation::silu;
 use burn::tensor::{Device, Distribution, Tensor};
 use common::{assert_close, backends};
-use diffzoo_models::fused;
+use diffzoo_models::fused::{self, FusedOps};
 
 fn random<const D: usize>(shape: [usize; D], device: &Device) -> Tensor<D> {
     Tensor::random(shape, Distribution::Normal(0.0, 2.0), device)
@@ -101,6 +103,19 @@ fn swiglu_gradients_are_burns_under_autodiff() {
                 );
             }
         }
+        // Only the gate needs a gradient.
+        let gate = random([2, 5, 24], &device).require_grad();
+        let up = random([2, 5, 24], &device);
+        let ours = fused::swiglu(gate.clone(), up.clone()).sum().backward();
+        let theirs = (silu(gate.clone()) * up.clone()).sum().backward();
+        assert_close(
+            &format!("{backend}: ∂gate alone"),
+            gate.grad(&ours).unwrap(),
+            gate.grad(&theirs).unwrap(),
+            1e-5,
+            1e-5,
+        );
+        assert!(up.grad(&ours).is_none(), "{backend}: ∂up of a constant");
     }
 }
 
@@ -161,6 +176,139 @@ fn gradients_are_burns_under_autodiff() {
             x.grad(&grads_ours).unwrap(),
             x.grad(&grads_theirs).unwrap(),
             1e-5,
+            1e-5,
+        );
+    }
+}
+
+#[test]
+fn rms_norm_gradients_are_burns_under_autodiff() {
+    for (backend, device) in backends() {
+        let device = device.autodiff();
+        // More rows than one part of the pass; a width that is not a multiple of sixteen.
+        for shape in [[2, 3, 37], [2, 70, 96]] {
+            let mut norm = RmsNormConfig::new(shape[2])
+                .with_epsilon(1e-5)
+                .init(&device);
+            norm.gamma = Param::from_tensor(random([shape[2]], &device) + 1.0);
+            let x = random(shape, &device).require_grad();
+            let weights = random(shape, &device);
+            let ours = (fused::rms_norm(&norm, x.clone()) * weights.clone())
+                .sum()
+                .backward();
+            let theirs = (norm.forward(x.clone()) * weights).sum().backward();
+            let what = format!("{backend}: {shape:?}");
+            assert_close(
+                &format!("{what}, ∂x"),
+                x.grad(&ours).unwrap(),
+                x.grad(&theirs).unwrap(),
+                1e-5,
+                1e-4,
+            );
+            assert_close(
+                &format!("{what}, ∂γ"),
+                norm.gamma.val().grad(&ours).unwrap(),
+                norm.gamma.val().grad(&theirs).unwrap(),
+                1e-4,
+                1e-4,
+            );
+        }
+        // γ frozen: only ∂x.
+        let norm = RmsNormConfig::new(24).init(&device).no_grad();
+        let x = random([3, 24], &device).require_grad();
+        let ours = (fused::rms_norm(&norm, x.clone()) * x.clone())
+            .sum()
+            .backward();
+        let theirs = (norm.forward(x.clone()) * x.clone()).sum().backward();
+        assert_close(
+            &format!("{backend}: ∂x, γ frozen"),
+            x.grad(&ours).unwrap(),
+            x.grad(&theirs).unwrap(),
+            1e-5,
+            1e-4,
+        );
+        assert!(
+            norm.gamma.val().grad(&ours).is_none(),
+            "{backend}: ∂γ frozen"
+        );
+    }
+}
+
+#[test]
+fn rotary_gradients_are_burns_under_autodiff() {
+    for (backend, device) in backends() {
+        let device = device.autodiff();
+        let (b, s, heads, d) = (2, 40, 3, 8);
+        let rope = RotaryEncodingConfig::new(64, d).init(&device);
+        let x = random([b, s, heads * d], &device).require_grad();
+        let weights = random([b, heads, s, d], &device);
+        let ours = (fused::rotary(x.clone(), heads, &rope, 7) * weights.clone())
+            .sum()
+            .backward();
+        let theirs = (fused::rotary_plain(x.clone(), heads, &rope, 7) * weights)
+            .sum()
+            .backward();
+        assert_close(
+            &format!("{backend}: ∂x"),
+            x.grad(&ours).unwrap(),
+            x.grad(&theirs).unwrap(),
+            1e-6,
+            1e-5,
+        );
+    }
+}
+
+#[test]
+fn burns_operations_give_flexs_backwards() {
+    let flex = Device::flex();
+    let to = |t: Tensor<3>, device: &Device| t.to_device(device).into_dispatch();
+    let (x, grad) = (random([2, 35, 40], &flex), random([2, 35, 40], &flex));
+    let gamma = random([40], &flex);
+    let rms_norm = |device: &Device| {
+        let (d_x, d_gamma) = <Dispatch as FusedOps>::rms_norm_backward(
+            to(x.clone(), device),
+            gamma.clone().to_device(device).into_dispatch(),
+            to(grad.clone(), device),
+            1e-5,
+        );
+        (
+            Tensor::<3>::from_dispatch(d_x).to_device(&flex),
+            Tensor::<1>::from_dispatch(d_gamma).to_device(&flex),
+        )
+    };
+    // RoPE's table `[S, d, 2]` for d = 8 (5 heads of the 40 columns), from Burn's encoding.
+    let rope = RotaryEncodingConfig::new(64, 8).init(&flex);
+    let table = rope.freq_complex.clone().narrow(0, 3, 35);
+    let rotary = |device: &Device| {
+        Tensor::<3>::from_dispatch(<Dispatch as FusedOps>::rotary_backward(
+            to(grad.clone(), device),
+            table.clone().to_device(device).into_dispatch(),
+            5,
+        ))
+        .to_device(&flex)
+    };
+    let (flex_x, flex_gamma) = rms_norm(&flex);
+    for (backend, device) in backends() {
+        let (d_x, d_gamma) = rms_norm(&device);
+        assert_close(
+            &format!("{backend}: RMSNorm ∂x"),
+            d_x,
+            flex_x.clone(),
+            1e-5,
+            1e-4,
+        );
+        assert_close(
+            &format!("{backend}: RMSNorm ∂γ"),
+            d_gamma,
+            flex_gamma.clone(),
+            1e-4,
+            1e-4,
+        );
+        assert_close(
+            &format!("{backend}: RoPE ∂x"),
+            rotary(&device),
+            rotary(&flex),
+            1e-6,
             1e-5,
         );
     }
