@@ -342,6 +342,7 @@ impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         table: FloatTensor<Self>,
         heads: usize,
     ) -> Option<FloatTensor<Self>> {
+        // Only x is differentiated: the table is Burn's constant `freq_complex`.
         let guard = [x.node()];
         let (x, table) = (x.into_primitive(), table.into_primitive());
         let out = B::rotary(x, table.clone(), heads)?;
@@ -473,7 +474,8 @@ fn rotary_backward_plain<B: Backend>(
     let shape = grad.shape();
     let [b, s, width] = shape.dims();
     let d = width / heads;
-    let (device, dtype) = (grad.device(), table.dtype());
+    let (device, dtype) = (grad.device(), grad.dtype());
+    let table = B::float_cast(table, dtype.into());
     let table = B::float_reshape(table, Shape::new([s, d, 2]));
     let column = |i: usize| {
         let slices = [Slice::from(0..s), Slice::from(0..d), Slice::from(i..i + 1)];

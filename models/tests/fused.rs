@@ -1,8 +1,8 @@
 //! `fused`: RMSNorm, RoPE and SwiGLU's gate in one pass on Flex equal Burn's ops on every backend
 //! (RoPE exactly on the CPU backends, RMSNorm and the gate to f32 rounding), for contiguous inputs
 //! (the fused pass) and strided ones (Burn's ops); under autodiff each gives Burn's gradients
-//! (through its own backward on Flex), and each backward by Burn's operations (what a backend
-//! without its own takes) equals Flex's.
+//! (through its own backward on Flex, which is taken there), and each backward by Burn's
+//! operations (Flex's own for a gradient its pass does not take) equals Flex's pass.
 mod common;
 
 use burn::backend::Dispatch;
@@ -185,19 +185,24 @@ fn gradients_are_burns_under_autodiff() {
 fn rms_norm_gradients_are_burns_under_autodiff() {
     for (backend, device) in backends() {
         let device = device.autodiff();
-        // More rows than one part of the pass; a width that is not a multiple of sixteen.
-        for shape in [[2, 3, 37], [2, 70, 96]] {
+        // More rows than one part of the pass; a width that is not a multiple of sixteen; an ε
+        // as large as the mean square.
+        for (shape, scale, epsilon) in [
+            ([2, 3, 37], 1.0, 1e-5),
+            ([2, 70, 96], 1.0, 1e-5),
+            ([2, 3, 37], 0.1, 4e-2),
+        ] {
             let mut norm = RmsNormConfig::new(shape[2])
-                .with_epsilon(1e-5)
+                .with_epsilon(epsilon)
                 .init(&device);
             norm.gamma = Param::from_tensor(random([shape[2]], &device) + 1.0);
-            let x = random(shape, &device).require_grad();
+            let x = (random(shape, &device) * scale).require_grad();
             let weights = random(shape, &device);
             let ours = (fused::rms_norm(&norm, x.clone()) * weights.clone())
                 .sum()
                 .backward();
             let theirs = (norm.forward(x.clone()) * weights).sum().backward();
-            let what = format!("{backend}: {shape:?}");
+            let what = format!("{backend}: {shape:?}, ε {epsilon}");
             assert_close(
                 &format!("{what}, ∂x"),
                 x.grad(&ours).unwrap(),
@@ -288,6 +293,43 @@ fn burns_operations_give_flexs_backwards() {
         .to_device(&flex)
     };
     let (flex_x, flex_gamma) = rms_norm(&flex);
+    // On Flex a strided gradient takes Burn's operations: the same values as the pass.
+    let strided = grad
+        .clone()
+        .swap_dims(1, 2)
+        .flip([0])
+        .swap_dims(1, 2)
+        .flip([0]);
+    let (d_x, d_gamma) = <Dispatch as FusedOps>::rms_norm_backward(
+        x.clone().into_dispatch(),
+        gamma.clone().into_dispatch(),
+        strided.clone().into_dispatch(),
+        1e-5,
+    );
+    let (d_x, d_gamma) = (
+        Tensor::<3>::from_dispatch(d_x),
+        Tensor::<1>::from_dispatch(d_gamma),
+    );
+    assert_close("flex strided: RMSNorm ∂x", d_x, flex_x.clone(), 1e-5, 1e-4);
+    assert_close(
+        "flex strided: RMSNorm ∂γ",
+        d_gamma,
+        flex_gamma.clone(),
+        1e-4,
+        1e-4,
+    );
+    let d_x = <Dispatch as FusedOps>::rotary_backward(
+        strided.into_dispatch(),
+        table.clone().into_dispatch(),
+        5,
+    );
+    assert_close(
+        "flex strided: RoPE ∂x",
+        Tensor::<3>::from_dispatch(d_x),
+        rotary(&flex),
+        1e-6,
+        1e-5,
+    );
     for (backend, device) in backends() {
         let (d_x, d_gamma) = rms_norm(&device);
         assert_close(
@@ -312,4 +354,21 @@ fn burns_operations_give_flexs_backwards() {
             1e-5,
         );
     }
+}
+
+#[test]
+fn flex_takes_the_fused_operations_under_autodiff() {
+    let device = Device::flex().autodiff();
+    let x = random([2, 4, 24], &device).require_grad();
+    let gamma = random([24], &device).require_grad();
+    let rms_norm =
+        <Dispatch as FusedOps>::rms_norm(x.clone().into_dispatch(), gamma.into_dispatch(), 1e-5);
+    assert!(rms_norm.is_some(), "RMSNorm");
+    let rope = RotaryEncodingConfig::new(8, 8).init(&device);
+    let table = rope.freq_complex.clone().narrow(0, 0, 4);
+    let rotary =
+        <Dispatch as FusedOps>::rotary(x.clone().into_dispatch(), table.into_dispatch(), 3);
+    assert!(rotary.is_some(), "RoPE");
+    let swiglu = <Dispatch as FusedOps>::swiglu(x.clone().into_dispatch(), x.into_dispatch());
+    assert!(swiglu.is_some(), "SwiGLU");
 }
