@@ -372,8 +372,9 @@ impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     }
 }
 
-/// Registers each gradient with its parent (`ops.parents`' ids), where the parent is tracked.
-fn register<B: Backend, const N: usize>(
+/// Registers each gradient of an operation's backward with its parent (`ops.parents`' ids), where
+/// the parent is tracked.
+pub(crate) fn register<B: Backend, const N: usize>(
     grads: &mut Gradients,
     parents: [Option<NodeId>; N],
     gradients: [FloatTensor<B>; N],

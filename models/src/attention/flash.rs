@@ -229,11 +229,8 @@ impl<B: Backend + FlashAttentionOps> Backward<B, 3> for FlashBackward {
         } = ops.state;
         let grad = grads.consume::<B>(&ops.node);
         let (dq, dk, dv) = B::flash_attention_backward(q, k, v, out, lse, grad, block);
-        for (parent, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
-            if let Some(node) = parent {
-                grads.register::<B>(node.id, grad);
-            }
-        }
+        let parents = ops.parents.map(|p| p.map(|node| node.id));
+        crate::fused::register::<B, 3>(grads, parents, [dq, dk, dv]);
     }
 }
 
