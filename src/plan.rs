@@ -20,7 +20,8 @@
 //! the query heads are copies where GQA (or, on the flash path, V1's two half-heads reading one
 //! V) repeats them; V2's 2H query heads always repeat its H_kv. DIFF V1 adds subln's input and
 //! output (`2·d_model`); DIFF V2 adds the paired output (`H·d`). `tests/plan_memory.rs` holds
-//! these formulas to what a forward pass keeps on Flex in f32. The head keeps the final norm
+//! these formulas to what a forward pass keeps in f32 with Burn's operations (on NdArray: Flex's
+//! own RMSNorm, RoPE and SwiGLU keep less). The head keeps the final norm
 //! (`2·d_model`), the logits and their f32 log-softmax (`vocab·(b + 4)` bytes). With per-block
 //! recomputation (`training.recompute = "block"`, [`diffzoo_models::recompute`]) a step keeps every
 //! block's input (`d_model` per token and layer) and, at its peak, the larger of the head's
