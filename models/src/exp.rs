@@ -38,6 +38,17 @@ pub(crate) fn sum_exp_shifted(row: &[f32], shift: f32) -> f32 {
     row.iter().map(|x| (x - shift).exp()).sum()
 }
 
+/// The mask of a sixteen-lane step with `remaining` elements left: all lanes, or the first
+/// `remaining`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn first_lanes(remaining: usize) -> core::arch::x86_64::__mmask16 {
+    match remaining {
+        n if n >= 16 => !0,
+        n => (1 << n) - 1,
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn sum_exp_shifted_avx512(row: &[f32], shift: f32) -> f32 {
@@ -45,10 +56,7 @@ fn sum_exp_shifted_avx512(row: &[f32], shift: f32) -> f32 {
     let shift = _mm512_set1_ps(shift);
     let mut sum = _mm512_setzero_ps();
     for start in (0..row.len()).step_by(16) {
-        let lanes: __mmask16 = match row.len() - start {
-            n if n >= 16 => !0,
-            n => (1 << n) - 1,
-        };
+        let lanes = first_lanes(row.len() - start);
         // SAFETY: the masked load touches the lanes start..start + n < row.len() only.
         let x = unsafe { _mm512_maskz_loadu_ps(lanes, row.as_ptr().add(start)) };
         let p = exp16(_mm512_sub_ps(x, shift));
@@ -77,10 +85,7 @@ fn swiglu_avx512(gate: &[f32], up: &[f32], out: &mut [f32]) {
     let len = out.len().min(gate.len()).min(up.len());
     let one = _mm512_set1_ps(1.0);
     for start in (0..len).step_by(16) {
-        let lanes: __mmask16 = match len - start {
-            n if n >= 16 => !0,
-            n => (1 << n) - 1,
-        };
+        let lanes = first_lanes(len - start);
         // SAFETY: the masked loads and store touch the lanes start..start + n < len of each.
         unsafe {
             let g = _mm512_maskz_loadu_ps(lanes, gate.as_ptr().add(start));
@@ -132,10 +137,7 @@ fn swiglu_backward_avx512(
         .fold(d_gate.len(), usize::min);
     let one = _mm512_set1_ps(1.0);
     for start in (0..len).step_by(16) {
-        let lanes: __mmask16 = match len - start {
-            n if n >= 16 => !0,
-            n => (1 << n) - 1,
-        };
+        let lanes = first_lanes(len - start);
         // SAFETY: the masked loads and stores touch the lanes start..start + n < len of each
         // slice (len is the shortest's length).
         unsafe {
@@ -198,7 +200,7 @@ fn exp_shifted_avx512(row: &mut [f32], shift: f32) -> f32 {
     let tail = chunks.into_remainder();
     if !tail.is_empty() {
         // The first `tail.len()` lanes; the others read as −∞ and are left out of the sum.
-        let lanes: __mmask16 = (1 << tail.len()) - 1;
+        let lanes = first_lanes(tail.len());
         // SAFETY: the masked load and store touch only the `tail.len()` lanes of `tail`.
         unsafe {
             let x = _mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), lanes, tail.as_ptr());
