@@ -20,6 +20,12 @@ third of transformers' own training step on the same shape (measured 2026-12-05,
 Flushed, the reference trains as fast as transformers there; its loss is unchanged to f32
 precision.
 
+With `--profile`, after the timed steps, `--reps` more run under `torch.profiler` with the
+operations labelled by diffzoo's classes (`diffzoo bench --profile`): the linear layers' products
+(matmul), the attention core, RMSNorm, RoPE, SwiGLU's gate (activation), the embedding and the loss,
+each labelled forward operation's backward counted with its class (the profiler's sequence numbers
+pair them), and `other` what the pass took beyond its classes.
+
 Peak memory: on CPU the growth of the process's peak resident set over its size before the model
 was built (Linux `VmHWM`, reset through `/proc/self/clear_refs`); on CUDA the allocator's peak
 reservation.
@@ -40,6 +46,7 @@ from pathlib import Path
 
 import torch
 from torch.nn import functional as F
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models" / "tests" / "reference"))
 import reference  # noqa: E402
@@ -111,6 +118,82 @@ def vectorised(model):
     for block in model.blocks:
         block.attn.__class__ = next(c for c in FAST.values() if isinstance(block.attn, c.__bases__[0]))
     return model
+
+
+CLASSES = ("matmul", "attention", "norm", "rotary", "activation", "embedding", "loss")
+LABEL = "diffzoo::"
+
+
+def labelled(name, fn):
+    def run(*args, **kwargs):
+        with record_function(LABEL + name):
+            return fn(*args, **kwargs)
+    return run
+
+
+def swiglu_labelled(self, x):
+    gate, up = self.w_g(x), self.w1(x)
+    with record_function(LABEL + "activation"):
+        hidden = F.silu(gate) * up
+    return self.w2(hidden)
+
+
+def label_classes():
+    """From now on, the model's operations run inside `record_function` labels of their class."""
+    global attend
+    attend = labelled("attention", attend)
+    torch.nn.Linear.forward = labelled("matmul", torch.nn.Linear.forward)
+    torch.nn.Embedding.forward = labelled("embedding", torch.nn.Embedding.forward)
+    reference.RMSNorm.forward = labelled("norm", reference.RMSNorm.forward)
+    reference.rope = labelled("rotary", reference.rope)
+    reference.SwiGlu.forward = swiglu_labelled
+
+
+def classified(events, steps):
+    """Seconds per step of the forward and backward passes, by class (see the module doc)."""
+    def label(e):
+        return e.name[len(LABEL):] if e.name.startswith(LABEL) else None
+
+    passes = {"forward": {}, "backward": {}}
+    totals = {"forward": 0.0, "backward": 0.0}
+    seq_class = {}
+
+    def walk(e, phase, cls):
+        name = label(e)
+        if name in totals:
+            phase = name
+            totals[name] += e.cpu_time_total
+        elif name in CLASSES:
+            nested = sum(c.cpu_time_total for c in descendants_labelled(e))
+            passes[phase][name] = passes[phase].get(name, 0.0) + e.cpu_time_total - nested
+            cls = name
+        elif phase == "backward" and e.name.startswith("autograd::engine::evaluate_function"):
+            owner = seq_class.get(e.sequence_nr)
+            if owner is not None:
+                passes[phase][owner] = passes[phase].get(owner, 0.0) + e.cpu_time_total
+            return
+        if phase == "forward" and cls is not None and e.sequence_nr >= 0:
+            seq_class[e.sequence_nr] = cls
+        for child in e.cpu_children:
+            walk(child, phase, cls)
+
+    def descendants_labelled(e):
+        for child in e.cpu_children:
+            if label(child) in CLASSES:
+                yield child
+            else:
+                yield from descendants_labelled(child)
+
+    for e in events:
+        if e.cpu_parent is None:
+            walk(e, None, None)
+    out = {}
+    for phase, classes in passes.items():
+        total = totals[phase] / 1e6 / steps
+        row = {c: classes.get(c, 0.0) / 1e6 / steps for c in CLASSES}
+        row["other"] = max(total - sum(row.values()), 0.0)
+        out[phase] = {"total": total, "classes": row}
+    return out
 
 
 def build(args, attention):
@@ -229,6 +312,22 @@ def measure(args, attention, device, dtype):
     step_s = timed(step, args.warmup, args.reps, sync)
     timed_phases = phases[len(phases) - args.reps:]
     peak = memory.peak()
+    step_profile = None
+    if args.profile:
+        label_classes()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.reps):
+                with record_function(LABEL + "forward"):
+                    logits = model(inputs).float()
+                    with record_function(LABEL + "loss"):
+                        loss = F.cross_entropy(logits.reshape(-1, args.vocab), targets.reshape(-1))
+                with record_function(LABEL + "backward"):
+                    loss.backward()
+                loss.item()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        step_profile = classified(prof.events(), args.reps)
     del optimizer
     forward_s = timed(forward, args.warmup, args.reps, sync)
     return {
@@ -239,6 +338,7 @@ def measure(args, attention, device, dtype):
         "forward_spread": spread(n, forward_s),
         "step_spread": spread(n, step_s),
         "peak_bytes": peak,
+        "profile": step_profile,
         "step_phases": {
             name: statistics.median(p[i] for p in timed_phases)
             for i, name in enumerate(["forward_backward", "clipping", "optimizer"])
@@ -278,6 +378,7 @@ def main():
     p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
     p.add_argument("--attention-impl", default="sdpa", choices=["sdpa", "explicit"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="also profile steps by class (see the module doc)")
     p.add_argument("--roofline", action="store_true", help="print the matmul peaks and exit")
     if "--roofline" in sys.argv:
         q = argparse.ArgumentParser()

@@ -22,6 +22,7 @@
 //! while it was measured; the report names the CPU and warns where a figure should not be
 //! believed ([`trust`]).
 
+mod profile;
 mod roofline;
 mod trust;
 
@@ -36,6 +37,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams};
 use clap::Args;
 use diffzoo_datasets::{LmBatcher, Rng};
 use diffzoo_models::{AttentionImpl, AttentionKind, DEFAULT_ATTENTION_BLOCK, ModelConfig};
+use profile::StepProfile;
 use roofline::Roofline;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -111,6 +113,11 @@ pub struct BenchArgs {
     /// as `bash bench/setup` makes it, else python3).
     #[arg(long)]
     pub python: Option<PathBuf>,
+    /// Also break a training step's forward and backward passes, and a decoding step, into
+    /// classes of operation (matmul, attention, norm, rotary, activation, embedding, loss, other),
+    /// PyTorch's beside ours with --torch; CPU devices only (see `bench/profile.rs`).
+    #[arg(long)]
+    pub profile: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -253,6 +260,9 @@ pub struct Measurement {
     /// Where a training step's time goes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step_phases: Option<StepPhases>,
+    /// Where its passes' time goes by class of operation (`--profile`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<StepProfile>,
 }
 
 /// A training step's phases, each the median over the timed repetitions, in seconds.
@@ -454,6 +464,20 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     for &attention in &args.attention {
         shape.config(attention, args.seq, args.implementation())?;
     }
+    if args.profile {
+        if args.recompute() == Recompute::Block {
+            bail!("--profile times the step without recomputation: drop --recompute block");
+        }
+        if let Some(spec) = args
+            .devices
+            .iter()
+            .find(|d| torch_device(d).as_deref() != Some("cpu"))
+        {
+            bail!(
+                "--profile times each operation where it is called, which only CPU devices do: `{spec}` queues them"
+            );
+        }
+    }
     if args.child {
         return child(args, &shape);
     }
@@ -563,6 +587,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     } else {
         print_table(args, &shape, &torch, &rows);
         print_phases(&rows);
+        profile::print(&rows);
         if let Some(roofline) = &roofline {
             print_roofline(args, roofline, &rows);
         }
@@ -824,6 +849,9 @@ fn spawn_child(args: &BenchArgs, spec: &str, attention: AttentionKind) -> Result
     command.args(["--attention-impl", &args.attention_impl]);
     command.args(["--attention-block", &args.attention_block.to_string()]);
     command.args(["--recompute", &args.recompute]);
+    if args.profile {
+        command.arg("--profile");
+    }
     let threads = threads().to_string();
     command.env("RAYON_NUM_THREADS", &threads);
     command.env("OMP_NUM_THREADS", &threads);
@@ -874,7 +902,7 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
     let rss_reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
     let mut pool_peak = None;
     let mut phases = Vec::new();
-    let step = timed(tokens, args.warmup, args.reps, || {
+    let mut one_step = || {
         let model = trained.take().expect("the model between steps");
         let started = Instant::now();
         let mut accumulator = GradientsAccumulator::new();
@@ -908,7 +936,13 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
             pool_peak = pool_peak.max(Some(usage.bytes_reserved));
         }
         Ok(())
-    })?;
+    };
+    let step = timed(tokens, args.warmup, args.reps, &mut one_step)?;
+    // The profiled steps come after the timed ones: the clock never touches the reported speed.
+    let booked = match args.profile {
+        true => Some(profiled(args.reps, &mut one_step)?),
+        false => None,
+    };
     // Host memory says nothing of a GPU's: a GPU backend without a pool report gets no figure.
     let on_cpu = torch_device(spec).as_deref() == Some("cpu");
     let peak_bytes = pool_peak.or_else(|| {
@@ -916,12 +950,20 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
         (rss_reset && on_cpu).then(|| hwm.saturating_sub(base))
     });
     drop(trained);
+    let mut step_profile = booked.map(|booked| {
+        let replayed =
+            diffzoo_models::profile::replay_backward(&booked.replays, &training, args.reps);
+        profile::step(&booked, args.reps, &replayed)
+    });
 
     let inputs = LmBatcher.batch(windows, &device).inputs;
     let forward = timed(tokens, args.warmup, args.reps, || {
         inference.forward(inputs.clone()).sum().into_scalar::<f32>();
         Ok(())
     })?;
+    if let Some(step_profile) = &mut step_profile {
+        step_profile.decode = profiled_decode(&inference, inputs, args.reps)?;
+    }
     let measurement = Measurement {
         attention: attention.as_str().into(),
         params,
@@ -931,10 +973,53 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
         step_spread: Some(step),
         competing_cores: None,
         peak_bytes,
-        step_phases: StepPhases::of(&phases, args.reps),
+        step_phases: StepPhases::of(&phases[..args.warmup + args.reps], args.reps),
+        profile: step_profile,
     };
     println!("{}", serde_json::to_string(&measurement)?);
     Ok(())
+}
+
+/// `steps` calls of `step` with the profile's clock on, and what it booked.
+fn profiled(
+    steps: usize,
+    mut step: impl FnMut() -> Result<()>,
+) -> Result<diffzoo_models::profile::Profile> {
+    use diffzoo_models::profile;
+    profile::take();
+    profile::enable(true);
+    let done = (0..steps).try_for_each(|_| step());
+    profile::enable(false);
+    done.map(|()| profile::take())
+}
+
+/// Decoding steps of the first sequence of `inputs` (its first half as the prompt, then one
+/// position at a time, at most `reps` of them), profiled; `None` for a sequence too short.
+fn profiled_decode(
+    model: &diffzoo_models::Model,
+    inputs: burn::tensor::Tensor<2, burn::tensor::Int>,
+    reps: usize,
+) -> Result<Option<profile::PassProfile>> {
+    use diffzoo_models::profile::{self as clock, Pass};
+    let seq = inputs.dims()[1];
+    let prompt = seq / 2;
+    if prompt == 0 {
+        return Ok(None);
+    }
+    let tokens = inputs.narrow(0, 0, 1);
+    let mut cache = model.cache();
+    model.forward_cached_last(tokens.clone().narrow(1, 0, prompt), &mut cache);
+    let booked = profiled(reps.min(seq - prompt), || {
+        let next = tokens.clone().narrow(1, cache.len(), 1);
+        clock::pass(Pass::Decode, || {
+            model
+                .forward_cached_last(next, &mut cache)
+                .argmax(2)
+                .into_scalar::<i64>()
+        });
+        Ok(())
+    })?;
+    Ok(profile::decode(&booked))
 }
 
 /// The Python that has torch: `--python`, `$DIFFZOO_PYTHON`, the venv `bench/setup` makes, or
@@ -987,6 +1072,9 @@ fn run_torch(args: &BenchArgs, shape: &Shape, device: &str) -> Result<TorchRun> 
     }
     if shape.qkv_bias {
         command.arg("--qkv-bias");
+    }
+    if args.profile {
+        command.arg("--profile");
     }
     command.args([
         "--dtype",
@@ -1100,6 +1188,7 @@ mod tests {
             peak_bytes: peak,
             competing_cores: None,
             step_phases: None,
+            profile: None,
         }
     }
 

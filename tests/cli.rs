@@ -2832,6 +2832,142 @@ fn bench_measures_every_variant_and_compares_with_a_torch_harness() {
     assert!(err.contains("dtype `f8`"), "{err}");
 }
 
+/// `bench --profile` breaks a training step's forward and backward passes and a decoding step
+/// into classes of operation that, with the remainder, make up each pass; the products' and the
+/// explicit attention's backward (Burn's autodiff's) are their replays'. What it cannot time is
+/// refused.
+#[test]
+fn bench_profile_breaks_each_pass_into_classes() {
+    let shape = [
+        "--size",
+        "64x2x4",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--vocab",
+        "128",
+        "--reps",
+        "2",
+        "--warmup",
+        "1",
+        "--attention",
+        "diff",
+    ];
+    let report = json(
+        &[
+            &["bench", "--device", "flex", "--profile", "--json"],
+            &shape[..],
+        ]
+        .concat(),
+    );
+    let profile = &report["rows"][0]["profile"];
+    let classes = [
+        "matmul",
+        "attention",
+        "norm",
+        "rotary",
+        "activation",
+        "embedding",
+        "loss",
+        "other",
+    ];
+    let get = |pass: &str, class: &str| profile[pass]["classes"][class].as_f64().unwrap();
+    for pass in ["forward", "backward", "decode"] {
+        let total = profile[pass]["total"].as_f64().unwrap();
+        let sum: f64 = classes.iter().map(|c| get(pass, c)).sum();
+        assert!(total > 0.0, "{pass}: {profile}");
+        // The remainder makes the classes add up to the pass, but never goes below zero.
+        assert!(sum >= total * (1.0 - 1e-9), "{pass}: {profile}");
+        assert!(get(pass, "other") == 0.0 || (sum - total).abs() <= 1e-9 * total);
+        assert!(
+            get(pass, "matmul") > 0.0 && get(pass, "attention") > 0.0,
+            "{pass}"
+        );
+    }
+    for class in &classes[..7] {
+        assert!(get("forward", class) > 0.0, "{class}: {profile}");
+    }
+    assert_eq!(
+        profile["replayed"],
+        serde_json::json!(["matmul", "attention"])
+    );
+    // Flex's own RMSNorm backward is timed where it runs.
+    assert!(get("backward", "norm") > 0.0);
+    assert!(get("decode", "loss") == 0.0, "a decoding step has no loss");
+    let table = ok(&[&["bench", "--device", "flex", "--profile"], &shape[..]].concat());
+    assert!(table.contains("profile of a flex diff step"), "{table}");
+    for class in classes {
+        assert!(
+            table.lines().any(|l| l.trim_start().starts_with(class)),
+            "{class}: {table}"
+        );
+    }
+
+    let err = fails(&[&["bench", "--profile", "--recompute", "block"], &shape[..]].concat());
+    assert!(err.contains("drop --recompute block"), "{err}");
+    let err = fails(&[&["bench", "--profile", "--device", "wgpu"], &shape[..]].concat());
+    assert!(err.contains("only CPU devices do: `wgpu`"), "{err}");
+}
+
+/// PyTorch's side of `bench --profile` through the real harness and `torch.profiler`: every
+/// class labelled and paired with its backward.
+#[test]
+#[ignore = "needs DIFFZOO_PYTHON with torch; .ci/run runs it"]
+fn bench_profile_with_torch_profiler() {
+    let python = std::env::var("DIFFZOO_PYTHON").expect("DIFFZOO_PYTHON: a Python with torch");
+    let report = json(&[
+        "bench",
+        "--device",
+        "flex",
+        "--profile",
+        "--torch",
+        "--json",
+        "--python",
+        &python,
+        "--size",
+        "64x2x4",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--vocab",
+        "128",
+        "--reps",
+        "2",
+        "--warmup",
+        "1",
+        "--attention",
+        "transformer,diff",
+    ]);
+    for row in report["rows"].as_array().unwrap() {
+        let theirs = &row["torch"]["profile"];
+        for pass in ["forward", "backward"] {
+            let total = theirs[pass]["total"].as_f64().unwrap();
+            let classes = theirs[pass]["classes"].as_object().unwrap();
+            let sum: f64 = classes.values().map(|v| v.as_f64().unwrap()).sum();
+            assert!(
+                total > 0.0 && sum >= total * (1.0 - 1e-9),
+                "{pass}: {theirs}"
+            );
+            for class in [
+                "matmul",
+                "attention",
+                "norm",
+                "rotary",
+                "activation",
+                "loss",
+            ] {
+                assert!(
+                    classes[class].as_f64().unwrap() > 0.0,
+                    "{pass} {class}: {theirs}"
+                );
+            }
+        }
+        assert!(theirs["forward"]["classes"]["embedding"].as_f64().unwrap() > 0.0);
+    }
+}
+
 /// A process competing for the cores while `bench` measures is seen and said, in the table and
 /// in `--json`, instead of a figure that looks precise; the report names the CPU's extensions.
 #[test]

@@ -17,6 +17,7 @@
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
 #![allow(deprecated)]
 
+use crate::profile::{self, Class};
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -28,15 +29,17 @@ use burn::tensor::{Int, Tensor};
 
 /// The mean cross-entropy of `logits` `[N, V]` (f32) against `targets` `[N]`, `[1]`.
 pub fn cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
-    <Dispatch as CrossEntropyOps>::cross_entropy(
-        logits.clone().into_dispatch(),
-        targets.clone().into_dispatch(),
-    )
-    .map(Tensor::from_dispatch)
-    .unwrap_or_else(|| {
-        CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(logits, targets)
+    profile::time(Class::Loss, || {
+        <Dispatch as CrossEntropyOps>::cross_entropy(
+            logits.clone().into_dispatch(),
+            targets.clone().into_dispatch(),
+        )
+        .map(Tensor::from_dispatch)
+        .unwrap_or_else(|| {
+            CrossEntropyLossConfig::new()
+                .init(&logits.device())
+                .forward(logits, targets)
+        })
     })
 }
 
@@ -149,7 +152,9 @@ impl<B: Backend + CrossEntropyOps> Backward<B, 1> for CrossEntropyBackward {
         let grad = grads.consume::<B>(&ops.node);
         let [parent] = ops.parents;
         if let Some(node) = parent {
-            let d_logits = B::cross_entropy_backward(logits, lse, targets, grad);
+            let d_logits = profile::time(Class::Loss, || {
+                B::cross_entropy_backward(logits, lse, targets, grad)
+            });
             grads.register::<B>(node.id, d_logits);
         }
     }

@@ -26,6 +26,7 @@
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
 #![allow(deprecated)]
 
+use crate::profile::{self, Class};
 use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -39,42 +40,48 @@ use burn::tensor::{Scalar, Shape, Slice, Tensor, TensorData};
 
 /// `silu(gate) ⊙ up` (SwiGLU's gating), in one pass where Flex takes it.
 pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
-    <burn::backend::Dispatch as FusedOps>::swiglu(
-        gate.clone().into_dispatch(),
-        up.clone().into_dispatch(),
-    )
-    .map(Tensor::from_dispatch)
-    .unwrap_or_else(|| silu(gate) * up)
+    profile::time(Class::Activation, || {
+        <burn::backend::Dispatch as FusedOps>::swiglu(
+            gate.clone().into_dispatch(),
+            up.clone().into_dispatch(),
+        )
+        .map(Tensor::from_dispatch)
+        .unwrap_or_else(|| silu(gate) * up)
+    })
 }
 
 /// `norm.forward(x)` for `x` `[.., d_model]`, in one pass where Flex takes it.
 pub fn rms_norm<const D: usize>(norm: &RmsNorm, x: Tensor<D>) -> Tensor<D> {
-    <burn::backend::Dispatch as FusedOps>::rms_norm(
-        x.clone().into_dispatch(),
-        norm.gamma.val().into_dispatch(),
-        norm.epsilon,
-    )
-    .map(Tensor::from_dispatch)
-    .unwrap_or_else(|| norm.forward(x))
+    profile::time(Class::Norm, || {
+        <burn::backend::Dispatch as FusedOps>::rms_norm(
+            x.clone().into_dispatch(),
+            norm.gamma.val().into_dispatch(),
+            norm.epsilon,
+        )
+        .map(Tensor::from_dispatch)
+        .unwrap_or_else(|| norm.forward(x))
+    })
 }
 
 /// `[B, S, heads·d]` at positions `start..start + S` → RoPE-rotated heads `[B, heads, S, d]`
 /// (adjacent pairs, GPT-J layout, from the tables of Burn's `RotaryEncoding`), in one pass where
 /// Flex takes it.
 pub fn rotary(x: Tensor<3>, heads: usize, rope: &RotaryEncoding, start: usize) -> Tensor<4> {
-    let [b, s, width] = x.dims();
-    let table = rope.freq_complex.clone().narrow(0, start, s);
-    <burn::backend::Dispatch as FusedOps>::rotary(
-        x.clone().into_dispatch(),
-        table.into_dispatch(),
-        heads,
-    )
-    .map(|y| {
-        Tensor::<3>::from_dispatch(y)
-            .reshape([b, s, heads, width / heads])
-            .swap_dims(1, 2)
+    profile::time(Class::Rotary, || {
+        let [b, s, width] = x.dims();
+        let table = rope.freq_complex.clone().narrow(0, start, s);
+        <burn::backend::Dispatch as FusedOps>::rotary(
+            x.clone().into_dispatch(),
+            table.into_dispatch(),
+            heads,
+        )
+        .map(|y| {
+            Tensor::<3>::from_dispatch(y)
+                .reshape([b, s, heads, width / heads])
+                .swap_dims(1, 2)
+        })
+        .unwrap_or_else(|| rotary_plain(x, heads, rope, start))
     })
-    .unwrap_or_else(|| rotary_plain(x, heads, rope, start))
 }
 
 /// [`rotary`] by Burn's ops: `x ⊙ cos + swap(x) ⊙ (∓sin)` with `swap` exchanging each pair, in
@@ -397,7 +404,9 @@ impl<B: Backend + FusedOps> Backward<B, 2> for RmsNormBackward {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let (x, gamma) = ops.state;
         let grad = grads.consume::<B>(&ops.node);
-        let (d_x, d_gamma) = B::rms_norm_backward(x, gamma, grad, self.epsilon);
+        let (d_x, d_gamma) = profile::time(Class::Norm, || {
+            B::rms_norm_backward(x, gamma, grad, self.epsilon)
+        });
         register::<B, 2>(
             grads,
             ops.parents.map(|p| p.map(|node| node.id)),
@@ -416,7 +425,9 @@ impl<B: Backend + FusedOps> Backward<B, 1> for RotaryBackward {
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let grad = grads.consume::<B>(&ops.node);
-        let d_x = B::rotary_backward(grad, ops.state, self.heads);
+        let d_x = profile::time(Class::Rotary, || {
+            B::rotary_backward(grad, ops.state, self.heads)
+        });
         register::<B, 1>(grads, ops.parents.map(|p| p.map(|node| node.id)), [d_x]);
     }
 }
@@ -430,7 +441,8 @@ impl<B: Backend + FusedOps> Backward<B, 2> for SwigluBackward {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let (gate, up) = ops.state;
         let grad = grads.consume::<B>(&ops.node);
-        let (d_gate, d_up) = B::swiglu_backward(gate, up, grad);
+        let (d_gate, d_up) =
+            profile::time(Class::Activation, || B::swiglu_backward(gate, up, grad));
         register::<B, 2>(
             grads,
             ops.parents.map(|p| p.map(|node| node.id)),

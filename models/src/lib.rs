@@ -20,6 +20,7 @@
 //! | a pretrained baseline converted to DIFF V1 or V2 | [`convert`] |
 //! | mixed precision's bf16 compute copy of f32 masters | [`precision`] |
 //! | analysis statistics (Table 5 magnitudes, λ) | [`analysis`] |
+//! | where a pass's time goes, by class of operation | [`profile`] |
 //!
 //! ```text
 //! ModelConfig::new(AttentionKind::Diff, d_model, layers, heads, vocab, max_seq_len).init(&device)
@@ -66,6 +67,7 @@ pub mod feed_forward;
 pub mod fused;
 pub mod model;
 pub mod precision;
+pub mod profile;
 pub mod recompute;
 pub mod rows;
 pub mod team;

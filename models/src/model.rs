@@ -15,6 +15,7 @@ use crate::config::{AttentionImpl, ModelConfig};
 use crate::feed_forward::SwiGlu;
 use crate::fused::rms_norm;
 use crate::precision::{compute_copy, weight_matrices_in};
+use crate::profile::{self, Class};
 use crate::rows;
 use burn::module::Module;
 use burn::nn::{
@@ -271,7 +272,7 @@ impl Model {
     /// in another ([`Model::with_weight_dtype`]) is widened here.
     fn embedded(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
         let dtype = self.norm.gamma.val().dtype();
-        self.embed.forward(tokens).cast(dtype)
+        profile::time(Class::Embedding, || self.embed.forward(tokens).cast(dtype))
     }
 
     fn head(&self, h: Tensor<3>) -> Tensor<3> {

@@ -31,6 +31,7 @@
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
 #![allow(deprecated)]
 
+use crate::profile::{self, Class};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, backend_extension};
 use burn::nn::Linear;
@@ -86,6 +87,11 @@ pub fn linear(linear: &Linear, x: Tensor<3>) -> Tensor<3> {
 /// `x·w` for `x` `[m, k]` and `w` `[k, n]` (`w` cast to x's dtype): by [`rows_matmul`] when
 /// 1 ≤ m ≤ [`kernel_rows`], else the plain product.
 pub fn matmul(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
+    profile::op(Class::Matmul, "matmul", [x, w], |[x, w]| product(x, w))
+}
+
+/// [`matmul`]'s product, unprofiled.
+fn product(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
     let most = kernel_rows(w.dtype());
     match x.dims()[0] {
         m if (1..=most).contains(&m) => rows_matmul(x, w),

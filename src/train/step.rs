@@ -17,6 +17,7 @@ use burn::tensor::{DType, FloatDType, Gradients, Tensor};
 use burn::train::{InferenceStep, Interrupter, TrainOutput, TrainStep};
 use diffzoo_datasets::LmBatch;
 use diffzoo_models::cross_entropy::cross_entropy;
+use diffzoo_models::profile::{self, Pass};
 use diffzoo_models::{Model, compute_copy, target_log_probs};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Instant;
@@ -69,8 +70,10 @@ pub fn backward(
 ) -> Tensor<1> {
     match recompute {
         Recompute::None => {
-            let loss = lm_loss(&compute_copy(model, compute), batch);
-            accumulate(loss.backward());
+            let loss = profile::pass(Pass::Forward, || {
+                lm_loss(&compute_copy(model, compute), batch)
+            });
+            accumulate(profile::pass(Pass::Backward, || loss.backward()));
             loss
         }
         Recompute::Block => model.backward_recomputed(

@@ -31,11 +31,12 @@ use super::{
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig, lambda_init};
 use crate::fused::rms_norm;
+use crate::profile::{self, Class};
 use crate::rows;
 use burn::module::{Module, Param};
 use burn::nn::{Initializer, Linear, RmsNorm, RmsNormConfig, RotaryEncoding};
 use burn::tensor::activation::softmax;
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::{Bool, DType, Device, Tensor};
 
 #[derive(Module, Debug)]
 pub struct DiffAttention {
@@ -165,8 +166,18 @@ impl DiffAttention {
             || self.logit_bits > 0
             || k.dims()[2] > q.dims()[2];
         let heads = if explicit {
-            let [a1, a2] = halves(softmax(causal_logits(q, k, self.logit_bits, mask), 3));
-            (a1 - a2 * lambda).matmul(v)
+            let bits = self.logit_bits;
+            match mask {
+                None => profile::op(
+                    Class::Attention,
+                    "diff explicit",
+                    [q, k, v, lambda],
+                    move |[q, k, v, lambda]| explicit_heads(q, k, v, lambda, bits, None),
+                ),
+                Some(mask) => profile::time(Class::Attention, || {
+                    explicit_heads(q, k, v, lambda, bits, Some(mask))
+                }),
+            }
         } else {
             // Half-heads 2h and 2h+1 both read head h's values.
             let o = causal_attention(q, k, repeat_kv(v, 2), self.implementation, 0, mask);
@@ -196,6 +207,19 @@ impl DiffAttention {
         };
         (out, probe)
     }
+}
+
+/// `(A₁ − λ·A₂)·v` from the half-heads' explicit maps (`lambda` `[1, 1, 1, 1]`).
+fn explicit_heads(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    lambda: Tensor<4>,
+    bits: u32,
+    mask: Option<Tensor<4, Bool>>,
+) -> Tensor<4> {
+    let [a1, a2] = halves(softmax(causal_logits(q, k, bits, mask), 3));
+    (a1 - a2 * lambda).matmul(v)
 }
 
 /// Splits half-heads `[B, 2H', S, n]` into the first and second halves of every head, each

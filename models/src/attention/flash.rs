@@ -55,6 +55,7 @@
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
 #![allow(deprecated)]
 
+use crate::profile::{self, Class};
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -228,7 +229,9 @@ impl<B: Backend + FlashAttentionOps> Backward<B, 3> for FlashBackward {
             block,
         } = ops.state;
         let grad = grads.consume::<B>(&ops.node);
-        let (dq, dk, dv) = B::flash_attention_backward(q, k, v, out, lse, grad, block);
+        let (dq, dk, dv) = profile::time(Class::Attention, || {
+            B::flash_attention_backward(q, k, v, out, lse, grad, block)
+        });
         let parents = ops.parents.map(|p| p.map(|node| node.id));
         crate::fused::register::<B, 3>(grads, parents, [dq, dk, dv]);
     }

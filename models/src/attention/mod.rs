@@ -16,6 +16,7 @@ pub use transformer::TransformerAttention;
 
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, AttentionKind, ModelConfig};
+use crate::profile::{self, Class};
 use crate::{fused, rows};
 use burn::module::Module;
 use burn::nn::{Initializer, Linear, LinearConfig, RotaryEncoding};
@@ -291,6 +292,28 @@ pub(crate) fn causal_softmax<const D: usize>(
 /// queries being the last S of the T positions. The explicit path reads the shared keys and
 /// values in place ([`grouped_causal_attention`]); the others repeat them first.
 pub(crate) fn causal_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    implementation: AttentionImpl,
+    bits: u32,
+    mask: Option<Tensor<4, Bool>>,
+) -> Tensor<4> {
+    match mask {
+        None => profile::op(
+            Class::Attention,
+            "attention",
+            [q, k, v],
+            move |[q, k, v]| attend(q, k, v, implementation, bits, None),
+        ),
+        Some(mask) => profile::time(Class::Attention, || {
+            attend(q, k, v, implementation, bits, Some(mask))
+        }),
+    }
+}
+
+/// [`causal_attention`], unprofiled.
+fn attend(
     q: Tensor<4>,
     k: Tensor<4>,
     v: Tensor<4>,

@@ -1,0 +1,168 @@
+//! `bench --profile`: a training step's forward and backward passes, and a decoding step, broken
+//! into classes of operation, ours beside PyTorch's.
+//!
+//! Ours come from [`diffzoo_models::profile`]: each class's own time where it runs, over the
+//! profiled steps (after the timed ones, so that the clock never touches the reported speed), and
+//! for the classes whose backward Burn's autodiff computes (the products, and attention but for
+//! flash's own backward) the backward of their replays timed alone at the step's shapes. PyTorch's
+//! come from `torch.profiler` on the same steps (`bench/torch_reference.py --profile`), its
+//! operations labelled by the same classes. In both, `other` is what the pass took beyond its
+//! classes: residual adds, copies and reshapes, and backward the autodiff engine's bookkeeping with
+//! the backward of the unlabelled operations.
+
+use super::Row;
+use diffzoo_models::profile::{self, Class, Pass, Profile};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// The remainder's name.
+pub const OTHER: &str = "other";
+
+/// One pass: its wall time and each class's share of it, in seconds per pass.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PassProfile {
+    pub total: f64,
+    /// Class name → seconds, [`OTHER`] included.
+    pub classes: BTreeMap<String, f64>,
+}
+
+impl PassProfile {
+    /// `total` split into `classes` and the remainder ([`OTHER`], never below zero).
+    fn of(total: f64, classes: impl IntoIterator<Item = (Class, f64)>) -> Self {
+        let mut classes: BTreeMap<String, f64> = classes
+            .into_iter()
+            .map(|(class, s)| (class.name().to_string(), s))
+            .collect();
+        let booked: f64 = classes.values().sum();
+        classes.insert(OTHER.into(), (total - booked).max(0.0));
+        Self { total, classes }
+    }
+
+    fn get(&self, class: &str) -> Option<f64> {
+        self.classes.get(class).copied()
+    }
+}
+
+/// A training step's passes and, on our side, a decoding step's.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepProfile {
+    pub forward: PassProfile,
+    pub backward: PassProfile,
+    /// Classes whose backward is their replays' ([`diffzoo_models::profile::replay_backward`]).
+    #[serde(default)]
+    pub replayed: Vec<String>,
+    /// One decoding step of one sequence after a prefill, where measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode: Option<PassProfile>,
+}
+
+/// The step profile of `steps` profiled training steps booked in `booked`, with `replayed` the
+/// replays' backward times over those steps.
+pub fn step(booked: &Profile, steps: usize, replayed: &BTreeMap<Class, Duration>) -> StepProfile {
+    let per = |d: Duration| d.as_secs_f64() / steps.max(1) as f64;
+    let total = |pass| booked.passes.get(&pass).map_or(0.0, |&(wall, _)| per(wall));
+    let forward = PassProfile::of(
+        total(Pass::Forward),
+        Class::ALL.map(|c| (c, per(booked.own(Pass::Forward, c)))),
+    );
+    let mut from_replays = Vec::new();
+    let backward = PassProfile::of(
+        total(Pass::Backward),
+        Class::ALL.map(|c| {
+            let own = booked.own(Pass::Backward, c);
+            match replayed.get(&c) {
+                Some(&replay) if own.is_zero() => {
+                    from_replays.push(c.name().to_string());
+                    (c, per(replay))
+                }
+                _ => (c, per(own)),
+            }
+        }),
+    );
+    StepProfile {
+        forward,
+        backward,
+        replayed: from_replays,
+        decode: None,
+    }
+}
+
+/// A decoding step's profile from what `booked` holds of its [`Pass::Decode`] passes.
+pub fn decode(booked: &Profile) -> Option<PassProfile> {
+    let &(wall, n) = booked.passes.get(&Pass::Decode)?;
+    let per = |d: Duration| d.as_secs_f64() / n.max(1) as f64;
+    Some(PassProfile::of(
+        per(wall),
+        Class::ALL.map(|c| (c, per(booked.own(Pass::Decode, c)))),
+    ))
+}
+
+/// Under the table: each profiled row's classes in milliseconds, ours beside PyTorch's.
+pub fn print(rows: &[Row]) {
+    for row in rows {
+        let Some(ours) = &row.ours.profile else {
+            continue;
+        };
+        let theirs = row.torch.as_ref().and_then(|t| t.profile.as_ref());
+        println!(
+            "\nprofile of a {} {} step, ms ({}; PyTorch: torch.profiler):",
+            row.device,
+            row.ours.attention,
+            match ours.replayed.is_empty() {
+                true => "each class timed where it runs".to_string(),
+                false => format!(
+                    "each class timed where it runs, * backward of its replays timed alone: {}",
+                    ours.replayed.join(", ")
+                ),
+            }
+        );
+        println!(
+            "  {:<11} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            "class", "fwd", "torch fwd", "bwd", "torch bwd", "decode"
+        );
+        let ms = |s: Option<f64>| s.map_or("-".into(), |s| format!("{:.2}", 1e3 * s));
+        let names = profile::Class::ALL
+            .map(|c| c.name())
+            .into_iter()
+            .chain([OTHER]);
+        for name in names {
+            let replayed = ours.replayed.iter().any(|r| r == name);
+            println!(
+                "  {:<11} {:>9} {:>9} {:>9} {:>9} {:>9}",
+                name,
+                ms(ours.forward.get(name)),
+                ms(theirs.and_then(|t| t.forward.get(name))),
+                format!(
+                    "{}{}",
+                    ms(ours.backward.get(name)),
+                    if replayed { "*" } else { "" }
+                ),
+                ms(theirs.and_then(|t| t.backward.get(name))),
+                ms(ours.decode.as_ref().and_then(|d| d.get(name))),
+            );
+        }
+        println!(
+            "  {:<11} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            "total",
+            ms(Some(ours.forward.total)),
+            ms(theirs.map(|t| t.forward.total)),
+            ms(Some(ours.backward.total)),
+            ms(theirs.map(|t| t.backward.total)),
+            ms(ours.decode.as_ref().map(|d| d.total)),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_remainder_is_what_no_class_took_and_never_negative() {
+        let p = PassProfile::of(1.0, [(Class::Matmul, 0.5), (Class::Norm, 0.2)]);
+        assert!((p.get(OTHER).unwrap() - 0.3).abs() < 1e-12);
+        let p = PassProfile::of(1.0, [(Class::Matmul, 1.2)]);
+        assert_eq!(p.get(OTHER), Some(0.0));
+    }
+}
