@@ -12,8 +12,8 @@
 //!
 //! The products and the attention core have no backward of their own on every backend (Burn's
 //! autodiff computes them), so their first forward call at each shape keeps a *replay*: the same
-//! operation on random tensors of the same shapes and dtypes, which [`replay_backward`] times
-//! under autodiff, forward alone and forward with backward, the difference being the backward.
+//! operation on random tensors of the same shapes and dtypes, whose backward [`replay_backward`]
+//! times alone under autodiff.
 //!
 //! Times are the calling thread's wall clock: right for the backends that compute each operation
 //! when it is called (the CPU backends). Disabled, a timed operation costs one atomic load.
@@ -223,8 +223,8 @@ pub fn replay_backward(
     times
 }
 
-/// The backward of `f` on random tracked inputs of `shapes`: the median time of forward and
-/// backward, less the median time of the forward alone.
+/// The backward of `f` on random tracked inputs of `shapes`: the median over `reps` (after one
+/// untimed) of the time from the forward's output, computed untimed, to the gradients.
 fn backward_alone<const D: usize, const N: usize>(
     f: &impl Fn([Tensor<D>; N]) -> Tensor<D>,
     shapes: [([usize; D], DType); N],
@@ -236,25 +236,20 @@ fn backward_alone<const D: usize, const N: usize>(
             .cast(dtype)
             .require_grad()
     });
-    let timed = |backward: bool| {
-        let mut times: Vec<Duration> = (0..reps.max(1) + 1)
-            .map(|_| {
-                let started = Instant::now();
-                let out = f(inputs.clone());
-                if backward {
-                    drop(out.backward());
-                }
-                // A failed sync leaves the timing as it is: the real pass reports the failure.
-                let _ = device.sync();
-                started.elapsed()
-            })
-            .skip(1)
-            .collect();
-        times.sort();
-        times[times.len() / 2]
-    };
-    let forward = timed(false);
-    timed(true).saturating_sub(forward)
+    // A failed sync leaves the timing as it is: the real pass reports the failure.
+    let mut times: Vec<Duration> = (0..reps.max(1) + 1)
+        .map(|_| {
+            let out = f(inputs.clone());
+            let _ = device.sync();
+            let started = Instant::now();
+            drop(out.backward());
+            let _ = device.sync();
+            started.elapsed()
+        })
+        .skip(1)
+        .collect();
+    times.sort();
+    times[times.len() / 2]
 }
 
 #[cfg(all(test, feature = "flex"))]
