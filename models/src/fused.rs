@@ -1,11 +1,13 @@
-//! RMSNorm, RoPE, SwiGLU's gate and AdamW's update as the decoder and trainer compute them, each
-//! in one pass on Flex:
+//! RMSNorm, RoPE, SwiGLU's gate, attention's causal softmax and AdamW's update as the decoder
+//! and trainer compute them, each in one pass on Flex:
 //!
 //! ```text
 //! RMSNorm(x) = x / √(mean(x²) + ε) · γ                      (per row, mean over d_model)
 //! RoPE(x)[2i]   = x[2i]·cos(tθᵢ) − x[2i+1]·sin(tθᵢ)          (per head, position t)
 //! RoPE(x)[2i+1] = x[2i+1]·cos(tθᵢ) + x[2i]·sin(tθᵢ)
 //! SwiGLU(g, u) = silu(g)·u = g·σ(g)·u,   σ(g) = 1 / (1 + e^(−g))
+//! CausalSoftmax(x)_ij = e^(c·x_ij) / Σ_{k ≤ i'} e^(c·x_ik) for j ≤ i', else 0
+//!     (row i of the S query positions, i' = i + T − S among the T keys; c = 1/√d)
 //! ```
 //!
 //! with their gradients (d: the incoming gradient, r = 1/√(mean(x²) + ε) per row of D):
@@ -14,6 +16,7 @@
 //! RMSNorm:  ∂x = r·(d⊙γ − x·r²·⟨d⊙γ, x⟩/D),   ∂γ = Σ_rows d⊙x·r
 //! RoPE:     ∂x = RoPE of d by (cos, −sin)        (the inverse rotation)
 //! SwiGLU:   ∂g = d·u·σ(g)·(1 + g·(1 − σ(g))),   ∂u = d·g·σ(g)
+//! CausalSoftmax:  ∂x = c·y⊙(d − ⟨d, y⟩)          (per row; y the output, 0 where masked)
 //! ```
 //!
 //! and AdamW as [`adamw`] states it. Burn's ops spend a dozen passes (and as many tensors) on each,
@@ -35,8 +38,8 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, TensorMetadata, backend_extension};
 use burn::nn::{RmsNorm, RotaryEncoding};
-use burn::tensor::activation::silu;
-use burn::tensor::{Scalar, Shape, Slice, Tensor, TensorData};
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::{Bool, Scalar, Shape, Slice, Tensor, TensorData};
 
 /// `silu(gate) ⊙ up` (SwiGLU's gating), in one pass where Flex takes it.
 pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
@@ -103,6 +106,50 @@ pub fn rotary_plain(x: Tensor<3>, heads: usize, rope: &RotaryEncoding, start: us
         .flip([4])
         .reshape([b, s, heads, d]);
     (x * cos.cast(dtype) + swapped * sin.cast(dtype)).swap_dims(1, 2)
+}
+
+/// The causal attention map of `scores` `[.., R, T]` (`q·kᵀ` unscaled, [`CausalSoftmax`] of the
+/// module's equations with `c = scale`): row r is query position `r mod positions` of the
+/// `positions` last of the T keys' positions, so that the query heads of a GQA group may be
+/// stacked along the rows. In one pass per row where Flex takes it.
+///
+/// [`CausalSoftmax`]: self
+pub fn causal_softmax<const D: usize>(
+    scores: Tensor<D>,
+    positions: usize,
+    scale: f64,
+) -> Tensor<D> {
+    <burn::backend::Dispatch as FusedOps>::causal_softmax(
+        scores.clone().into_dispatch(),
+        positions,
+        scale,
+    )
+    .map(Tensor::from_dispatch)
+    .unwrap_or_else(|| causal_softmax_plain(scores, positions, scale))
+}
+
+/// [`causal_softmax`] by Burn's operations: the scaled scores, `-inf` above each row's diagonal,
+/// softmax.
+pub fn causal_softmax_plain<const D: usize>(
+    scores: Tensor<D>,
+    positions: usize,
+    scale: f64,
+) -> Tensor<D> {
+    let dims = scores.dims();
+    let (rows, keys) = (dims[D - 2], dims[D - 1]);
+    let future = Tensor::<2, Bool>::tril_mask(
+        [positions, keys],
+        (keys - positions) as i64,
+        &scores.device(),
+    )
+    .repeat_dim(0, rows / positions)
+    .unsqueeze::<D>();
+    softmax(
+        scores
+            .mul_scalar(scale)
+            .mask_fill(future, f32::NEG_INFINITY),
+        D - 1,
+    )
 }
 
 /// AdamW's numbers for one step t of one parameter: β₁, β₂, ε, the bias corrections
@@ -237,6 +284,25 @@ pub trait FusedOps: Backend {
         adamw_plain::<Self>(param, grad, moment_1, moment_2, step)
     }
 
+    /// [`causal_softmax`] of `scores` `[.., R, T]`; `None`: not taken.
+    fn causal_softmax(
+        _scores: FloatTensor<Self>,
+        _positions: usize,
+        _scale: f64,
+    ) -> Option<FloatTensor<Self>> {
+        None
+    }
+
+    /// The gradient of [`FusedOps::causal_softmax`]'s scores from its output `y` and the
+    /// output's `grad`: `scale·y⊙(grad − ⟨grad, y⟩)` per row (called only where it was taken).
+    fn causal_softmax_backward(
+        y: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        causal_softmax_backward_plain::<Self>(y, grad, scale)
+    }
+
     /// RoPE of `x` `[B, S, heads·d]` by `table` `[S, d, 2]` (cos, sin), as `[B, S, heads·d]`;
     /// `None`: not taken.
     fn rotary(
@@ -297,6 +363,23 @@ impl FusedOps for burn::backend::Flex {
         heads: usize,
     ) -> Option<FloatTensor<Self>> {
         flex::rotary(&x, &table, heads, 1.0)
+    }
+
+    fn causal_softmax(
+        scores: FloatTensor<Self>,
+        positions: usize,
+        scale: f64,
+    ) -> Option<FloatTensor<Self>> {
+        flex::causal_softmax(&scores, positions, scale as f32)
+    }
+
+    fn causal_softmax_backward(
+        y: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        flex::causal_softmax_backward(&y, &grad, scale as f32)
+            .unwrap_or_else(|| causal_softmax_backward_plain::<Self>(y, grad, scale))
     }
 
     fn rotary_backward(
@@ -377,6 +460,22 @@ impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
             },
         )
     }
+
+    fn causal_softmax(
+        scores: FloatTensor<Self>,
+        positions: usize,
+        scale: f64,
+    ) -> Option<FloatTensor<Self>> {
+        let guard = [scores.node()];
+        let out = B::causal_softmax(scores.into_primitive(), positions, scale)?;
+        let backward = CausalSoftmaxBackward { scale };
+        Some(
+            match backward.prepare::<C>(guard).compute_bound().stateful() {
+                OpsKind::Tracked(prep) => prep.finish(out.clone(), out),
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            },
+        )
+    }
 }
 
 /// Registers each gradient of an operation's backward with its parent (`ops.parents`' ids), where
@@ -449,6 +548,35 @@ impl<B: Backend + FusedOps> Backward<B, 2> for SwigluBackward {
             [d_gate, d_up],
         );
     }
+}
+
+#[derive(Debug)]
+struct CausalSoftmaxBackward {
+    scale: f64,
+}
+
+impl<B: Backend + FusedOps> Backward<B, 1> for CausalSoftmaxBackward {
+    type State = FloatTensor<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let d_x = B::causal_softmax_backward(ops.state, grad, self.scale);
+        register::<B, 1>(grads, ops.parents.map(|p| p.map(|node| node.id)), [d_x]);
+    }
+}
+
+/// [`FusedOps::causal_softmax_backward`] by Burn's operations.
+fn causal_softmax_backward_plain<B: Backend>(
+    y: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    scale: f64,
+) -> FloatTensor<B> {
+    let last = y.shape().num_dims() - 1;
+    let dot = B::float_sum_dim(B::float_mul(grad.clone(), y.clone()), last);
+    B::float_mul_scalar(
+        B::float_mul(y, B::float_sub(grad, dot)),
+        Scalar::from(scale as f32),
+    )
 }
 
 /// [`FusedOps::rms_norm_backward`] by Burn's operations, over the rows `[N, D]` of `x`.
@@ -709,6 +837,78 @@ pub(crate) mod flex {
                 }
             });
         (p, m, v)
+    }
+
+    /// `(T, T − positions)` of a `[.., R, T]` causal map whose rows cycle over the `positions`
+    /// last of T positions (`None` where the shape does not fit).
+    fn causal_rows(t: &FloatTensor<Flex>, positions: usize) -> Option<(usize, usize)> {
+        let shape = t.shape();
+        let (&keys, rest) = shape.split_last()?;
+        let rows = *rest.last()?;
+        (keys > 0 && positions > 0 && positions <= keys && rows % positions == 0)
+            .then_some((keys, keys - positions))
+    }
+
+    /// Rows of a causal map handed to rayon's threads in groups of this many.
+    const SOFTMAX_ROWS: usize = 16;
+
+    /// [`super::causal_softmax`]: per row, the scaled scores up to its last visible key, their
+    /// maximum, e^(x − max) sixteen at a time, divided by their sum; zeros after.
+    pub(super) fn causal_softmax(
+        scores: &FloatTensor<Flex>,
+        positions: usize,
+        scale: f32,
+    ) -> Option<FloatTensor<Flex>> {
+        let xs = elements(scores)?;
+        let (keys, past) = causal_rows(scores, positions)?;
+        if scale <= 0.0 {
+            return None;
+        }
+        let mut y = vec![0.0f32; xs.len()];
+        y.par_chunks_mut(keys)
+            .zip(xs.par_chunks(keys))
+            .enumerate()
+            .with_min_len(SOFTMAX_ROWS)
+            .for_each(|(row, (y, x))| {
+                let visible = &mut y[..row % positions + past + 1];
+                for (y, x) in visible.iter_mut().zip(x) {
+                    *y = x * scale;
+                }
+                let sum = exp::exp_shifted(visible, exp::max_of(visible));
+                let inverse = 1.0 / sum;
+                for y in visible {
+                    *y *= inverse;
+                }
+            });
+        Some(like(y, scores))
+    }
+
+    /// [`super::FusedOps::causal_softmax_backward`] in one pass per row (the masked entries of y
+    /// are zeros, and so are their gradients).
+    pub(super) fn causal_softmax_backward(
+        y: &FloatTensor<Flex>,
+        grad: &FloatTensor<Flex>,
+        scale: f32,
+    ) -> Option<FloatTensor<Flex>> {
+        let (ys, ds) = (elements(y)?, elements(grad)?);
+        if y.shape() != grad.shape() {
+            return None;
+        }
+        let keys = *y.shape().last()?;
+        if keys == 0 {
+            return None;
+        }
+        let mut d_x = vec![0.0f32; ys.len()];
+        d_x.par_chunks_mut(keys)
+            .zip(ys.par_chunks(keys).zip(ds.par_chunks(keys)))
+            .with_min_len(SOFTMAX_ROWS)
+            .for_each(|(d_x, (y, d))| {
+                let inner = dot(d, y);
+                for ((out, y), d) in d_x.iter_mut().zip(y).zip(d) {
+                    *out = scale * y * (d - inner);
+                }
+            });
+        Some(like(d_x, y))
     }
 
     pub(super) fn swiglu_backward(

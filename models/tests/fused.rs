@@ -371,4 +371,110 @@ fn flex_takes_the_fused_operations_under_autodiff() {
     assert!(rotary.is_some(), "RoPE");
     let swiglu = <Dispatch as FusedOps>::swiglu(x.clone().into_dispatch(), x.into_dispatch());
     assert!(swiglu.is_some(), "SwiGLU");
+    let scores = random([2, 3, 8, 8], &device).require_grad();
+    let softmax = <Dispatch as FusedOps>::causal_softmax(scores.into_dispatch(), 8, 0.5);
+    assert!(softmax.is_some(), "the causal softmax");
+}
+
+/// Causal maps: queries as the last positions of more keys (a cache before them), GQA groups
+/// stacked along the rows, rows longer than one sixteen-lane step and a scale as attention's.
+const CAUSAL: [([usize; 4], usize, f64); 4] = [
+    ([2, 3, 7, 7], 7, 0.35),
+    ([1, 2, 5, 9], 5, 0.125),
+    ([2, 1, 12, 4], 4, 0.5),
+    ([1, 2, 40, 37], 20, 0.125),
+];
+
+#[test]
+fn causal_softmax_equals_burns_masked_softmax() {
+    for (backend, device) in backends() {
+        for (shape, positions, scale) in CAUSAL {
+            let scores = random(shape, &device) * 3.0;
+            let ours = fused::causal_softmax(scores.clone(), positions, scale);
+            let theirs = fused::causal_softmax_plain(scores, positions, scale);
+            let what = format!("{backend}: {shape:?} over {positions}");
+            // Row r (position r mod positions, after T − positions others) sees its own key and
+            // every earlier one: the first row of each group sees T − positions + 1.
+            let visible = shape[3] - positions + 1;
+            let masked = ours
+                .clone()
+                .narrow(2, 0, 1)
+                .narrow(3, visible, shape[3] - visible);
+            if shape[3] > visible {
+                assert_eq!(
+                    masked.abs().max().into_scalar::<f32>(),
+                    0.0,
+                    "{what}: masked"
+                );
+            }
+            assert_close(&what, ours, theirs, 1e-6, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn causal_softmax_gradients_are_burns_under_autodiff() {
+    for (backend, device) in backends() {
+        let device = device.autodiff();
+        for (shape, positions, scale) in CAUSAL {
+            let scores = (random(shape, &device) * 3.0).require_grad();
+            let weights = random(shape, &device);
+            let ours = (fused::causal_softmax(scores.clone(), positions, scale) * weights.clone())
+                .sum()
+                .backward();
+            let theirs = (fused::causal_softmax_plain(scores.clone(), positions, scale) * weights)
+                .sum()
+                .backward();
+            assert_close(
+                &format!("{backend}: {shape:?} over {positions}, ∂scores"),
+                scores.grad(&ours).unwrap(),
+                scores.grad(&theirs).unwrap(),
+                1e-5,
+                1e-4,
+            );
+        }
+    }
+}
+
+#[test]
+fn burns_operations_give_flexs_causal_softmax_backward() {
+    let flex = Device::flex();
+    let ([b, h, r, t], scale) = ([2, 2, 9, 9], 0.25);
+    let y = fused::causal_softmax(random([b, h, r, t], &flex), r, scale);
+    let grad = random([b, h, r, t], &flex);
+    let backward = |y: Tensor<4>, grad: Tensor<4>| {
+        Tensor::<4>::from_dispatch(<Dispatch as FusedOps>::causal_softmax_backward(
+            y.into_dispatch(),
+            grad.into_dispatch(),
+            scale,
+        ))
+        .to_device(&flex)
+    };
+    let on_flex = backward(y.clone(), grad.clone());
+    // A strided gradient takes Burn's operations on Flex.
+    let strided = grad
+        .clone()
+        .swap_dims(2, 3)
+        .flip([0])
+        .swap_dims(2, 3)
+        .flip([0]);
+    assert_close(
+        "flex strided",
+        backward(y.clone(), strided),
+        on_flex.clone(),
+        1e-6,
+        1e-5,
+    );
+    for (backend, device) in backends() {
+        assert_close(
+            &format!("{backend}: ∂scores"),
+            backward(
+                y.clone().to_device(&device),
+                grad.clone().to_device(&device),
+            ),
+            on_flex.clone(),
+            1e-6,
+            1e-5,
+        );
+    }
 }

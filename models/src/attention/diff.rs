@@ -25,8 +25,8 @@
 //! result by linearity; the gradients of the maps and of λ are in [`super::flash`]).
 
 use super::{
-    AttentionProbe, StepQkv, causal_attention, causal_logits, merge_heads, projection,
-    qkv_projection, repeat_kv, step_qkv,
+    AttentionProbe, StepQkv, causal_attention, causal_logits, causal_softmax, merge_heads,
+    projection, qkv_projection, repeat_kv, step_qkv,
 };
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig, lambda_init};
@@ -218,7 +218,7 @@ fn explicit_heads(
     bits: u32,
     mask: Option<Tensor<4, Bool>>,
 ) -> Tensor<4> {
-    let [a1, a2] = halves(softmax(causal_logits(q, k, bits, mask), 3));
+    let [a1, a2] = halves(causal_softmax(q, k, bits, mask));
     (a1 - a2 * lambda).matmul(v)
 }
 

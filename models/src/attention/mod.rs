@@ -282,7 +282,14 @@ pub(crate) fn causal_softmax<const D: usize>(
     bits: u32,
     mask: Option<Tensor<D, Bool>>,
 ) -> Tensor<D> {
-    softmax(causal_logits(q, k, bits, mask), D - 1)
+    match (bits, mask) {
+        (0, None) => {
+            let [s, d] = [q.dims()[D - 2], q.dims()[D - 1]];
+            let scores = q.matmul(k.swap_dims(D - 2, D - 1));
+            fused::causal_softmax(scores, s, 1.0 / (d as f64).sqrt())
+        }
+        (bits, mask) => softmax(causal_logits(q, k, bits, mask), D - 1),
+    }
 }
 
 /// `softmax(q·kᵀ/√d + causal mask)·v` by the configured implementation; quantised logits
@@ -368,24 +375,28 @@ fn grouped_causal_attention(
     {
         return out;
     }
-    let future = match mask {
-        Some(mask) => mask,
-        None => Tensor::<2, Bool>::tril_mask([s, t], (t - s) as i64, &q.device()).unsqueeze::<4>(),
-    };
     let d_v = v.dims()[3];
     let n_rep = h / h_kv;
     if n_rep == 1 {
-        return causal_softmax(q, k, 0, Some(future)).matmul(v);
+        return causal_softmax(q, k, 0, mask).matmul(v);
     }
-    // Row r·S + i of a group is query head r's position i: the mask of position i, n_rep times.
-    let [mb, mh, _, _] = future.dims();
-    assert_eq!(mh, 1, "a mask shared by the heads");
-    let future = future
-        .unsqueeze_dim::<5>(1)
-        .expand([mb, n_rep, 1, s, t])
-        .reshape([mb, 1, n_rep * s, t]);
+    // Row r·S + i of a group is query head r's position i.
     let grouped = q.reshape([b, h_kv, n_rep * s, d]);
-    causal_softmax(grouped, k, 0, Some(future))
-        .matmul(v)
-        .reshape([b, h, s, d_v])
+    let probs = match mask {
+        None => {
+            let scores = grouped.matmul(k.swap_dims(2, 3));
+            fused::causal_softmax(scores, s, 1.0 / (d as f64).sqrt())
+        }
+        Some(future) => {
+            // The mask of position i, n_rep times.
+            let [mb, mh, _, _] = future.dims();
+            assert_eq!(mh, 1, "a mask shared by the heads");
+            let future = future
+                .unsqueeze_dim::<5>(1)
+                .expand([mb, n_rep, 1, s, t])
+                .reshape([mb, 1, n_rep * s, t]);
+            causal_softmax(grouped, k, 0, Some(future))
+        }
+    };
+    probs.matmul(v).reshape([b, h, s, d_v])
 }
