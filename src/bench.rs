@@ -115,7 +115,7 @@ pub struct BenchArgs {
     pub python: Option<PathBuf>,
     /// Also break a training step's forward and backward passes, and a decoding step, into
     /// classes of operation (matmul, attention, norm, rotary, activation, embedding, loss, other),
-    /// PyTorch's beside ours with --torch; CPU devices only (see `bench/profile.rs`).
+    /// PyTorch's beside ours with --torch; CPU devices only (see `src/bench/profile.rs`).
     #[arg(long)]
     pub profile: bool,
     /// Print JSON instead of a table.
@@ -938,7 +938,9 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
         Ok(())
     };
     let step = timed(tokens, args.warmup, args.reps, &mut one_step)?;
-    // The profiled steps come after the timed ones: the clock never touches the reported speed.
+    let hwm = proc_status_bytes("VmHWM:");
+    // The profiled steps come after the timed ones and their peak: the clock never touches the
+    // reported figures. (Only CPU devices are profiled, whose peak is `hwm`, not the pool's.)
     let booked = match args.profile {
         true => Some(profiled(args.reps, &mut one_step)?),
         false => None,
@@ -946,7 +948,7 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
     // Host memory says nothing of a GPU's: a GPU backend without a pool report gets no figure.
     let on_cpu = torch_device(spec).as_deref() == Some("cpu");
     let peak_bytes = pool_peak.or_else(|| {
-        let (base, hwm) = (base?, proc_status_bytes("VmHWM:")?);
+        let (base, hwm) = (base?, hwm?);
         (rss_reset && on_cpu).then(|| hwm.saturating_sub(base))
     });
     drop(trained);

@@ -2872,29 +2872,45 @@ fn bench_profile_breaks_each_pass_into_classes() {
         "loss",
         "other",
     ];
-    let get = |pass: &str, class: &str| profile[pass]["classes"][class].as_f64().unwrap();
+    let get = |pass: &str, class: &str| profile[pass]["classes"][class].as_f64();
     for pass in ["forward", "backward", "decode"] {
         let total = profile[pass]["total"].as_f64().unwrap();
-        let sum: f64 = classes.iter().map(|c| get(pass, c)).sum();
+        let booked: f64 = classes[..7].iter().filter_map(|c| get(pass, c)).sum();
+        let other = get(pass, "other").unwrap();
         assert!(total > 0.0, "{pass}: {profile}");
-        // The remainder makes the classes add up to the pass, but never goes below zero.
-        assert!(sum >= total * (1.0 - 1e-9), "{pass}: {profile}");
-        assert!(get(pass, "other") == 0.0 || (sum - total).abs() <= 1e-9 * total);
+        // The remainder makes the classes add up to the pass, never below zero.
         assert!(
-            get(pass, "matmul") > 0.0 && get(pass, "attention") > 0.0,
-            "{pass}"
+            (booked + other - total).abs() <= 1e-9 * total || (other == 0.0 && booked > total),
+            "{pass}: {profile}"
+        );
+        assert!(get(pass, "matmul") > Some(0.0) && get(pass, "attention") > Some(0.0));
+    }
+    // Without replays, each class's own time is part of its pass's, and the residual adds and
+    // reshapes are left over.
+    for pass in ["forward", "decode"] {
+        let total = profile[pass]["total"].as_f64().unwrap();
+        let booked: f64 = classes[..7].iter().map(|c| get(pass, c).unwrap()).sum();
+        assert!(
+            booked < total && get(pass, "other") > Some(0.0),
+            "{pass}: {profile}"
         );
     }
     for class in &classes[..7] {
-        assert!(get("forward", class) > 0.0, "{class}: {profile}");
+        assert!(get("forward", class) > Some(0.0), "{class}: {profile}");
     }
     assert_eq!(
         profile["replayed"],
         serde_json::json!(["matmul", "attention"])
     );
-    // Flex's own RMSNorm backward is timed where it runs.
-    assert!(get("backward", "norm") > 0.0);
-    assert!(get("decode", "loss") == 0.0, "a decoding step has no loss");
+    // Flex's own RMSNorm backward is timed where it runs; Burn's embedding backward is not
+    // measured (its time is the remainder's), which is not a zero.
+    assert!(get("backward", "norm") > Some(0.0));
+    assert_eq!(get("backward", "embedding"), None, "{profile}");
+    assert_eq!(
+        get("decode", "loss"),
+        Some(0.0),
+        "a decoding step has no loss"
+    );
     let table = ok(&[&["bench", "--device", "flex", "--profile"], &shape[..]].concat());
     assert!(table.contains("profile of a flex diff step"), "{table}");
     for class in classes {
@@ -2945,11 +2961,13 @@ fn bench_profile_with_torch_profiler() {
         for pass in ["forward", "backward"] {
             let total = theirs[pass]["total"].as_f64().unwrap();
             let classes = theirs[pass]["classes"].as_object().unwrap();
-            let sum: f64 = classes.values().map(|v| v.as_f64().unwrap()).sum();
-            assert!(
-                total > 0.0 && sum >= total * (1.0 - 1e-9),
-                "{pass}: {theirs}"
-            );
+            let booked: f64 = classes
+                .iter()
+                .filter(|(name, _)| *name != "other")
+                .map(|(_, v)| v.as_f64().unwrap())
+                .sum();
+            // Labelled operations are part of their pass (torch.profiler's own times).
+            assert!(total > 0.0 && booked <= total, "{pass}: {theirs}");
             for class in [
                 "matmul",
                 "attention",

@@ -10,8 +10,9 @@
 //! the pass's remainder (residual adds, layout copies, and in the backward pass Burn's autodiff:
 //! its bookkeeping and the backward of the operations without one of their own).
 //!
-//! The products and the attention core have no backward of their own on every backend (Burn's
-//! autodiff computes them), so their first forward call at each shape keeps a *replay*: the same
+//! The products and the attention core have no timed backward of their own (Burn's autodiff
+//! computes them, or for explicit attention's softmax an untimed one of [`crate::fused`]), so
+//! their first forward call at each shape keeps a *replay*: the same
 //! operation on random tensors of the same shapes and dtypes, whose backward [`replay_backward`]
 //! times alone under autodiff.
 //!
@@ -23,6 +24,7 @@ use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::LocalKey;
 use std::time::{Duration, Instant};
 
 /// A class of the decoder's operations.
@@ -30,7 +32,8 @@ use std::time::{Duration, Instant};
 pub enum Class {
     /// The linear layers' and the head's products.
     Matmul,
-    /// The attention core: `softmax(q·kᵀ/√d)·v` (and DIFF's two maps and their difference).
+    /// The attention core: `softmax(q·kᵀ/√d)·v` (DIFF V1's explicit path: both maps and their
+    /// difference; its other paths and DIFF V2 subtract outside the core, in the remainder).
     Attention,
     /// RMSNorm, DIFF's `subln` included.
     Norm,
@@ -135,6 +138,16 @@ fn book(f: impl FnOnce(&mut Profile)) {
     f(booked.get_or_insert_with(Profile::default));
 }
 
+/// Sets a thread-local back to the value it holds when dropped, also when the timed closure
+/// unwinds (a caught panic must not leave later operations booked to a stale pass).
+struct Restore<T: Copy + 'static>(&'static LocalKey<Cell<T>>, T);
+
+impl<T: Copy + 'static> Drop for Restore<T> {
+    fn drop(&mut self) {
+        self.0.set(self.1);
+    }
+}
+
 /// What was booked since the last call, which starts a new profile.
 pub fn take() -> Profile {
     let mut booked = BOOKED.lock().unwrap_or_else(|e| e.into_inner());
@@ -146,11 +159,11 @@ pub fn pass<T>(pass: Pass, f: impl FnOnce() -> T) -> T {
     if !enabled() {
         return f();
     }
-    let outer = PASS.replace(Some(pass));
+    let restore = Restore(&PASS, PASS.replace(Some(pass)));
     let started = Instant::now();
     let out = f();
     let wall = started.elapsed();
-    PASS.set(outer);
+    drop(restore);
     book(|p| {
         let entry = p.passes.entry(pass).or_default();
         entry.0 += wall;
@@ -164,11 +177,14 @@ pub fn time<T>(class: Class, f: impl FnOnce() -> T) -> T {
     if !enabled() {
         return f();
     }
-    let outer = NESTED.replace(Duration::ZERO);
+    let mut restore = Restore(&NESTED, NESTED.replace(Duration::ZERO));
     let started = Instant::now();
     let out = f();
     let total = started.elapsed();
-    let nested = NESTED.replace(outer + total);
+    let nested = NESTED.get();
+    // The enclosing operation's nested time now includes this one's.
+    restore.1 += total;
+    drop(restore);
     if let Some(pass) = PASS.get() {
         book(|p| *p.own.entry((pass, class)).or_default() += total.saturating_sub(nested));
     }
@@ -208,18 +224,22 @@ where
     out
 }
 
-/// Each class's backward time per forward pass, by its replays on `device` (with autodiff), the
-/// median of `reps` repetitions each.
+/// Each class's backward time over the forward passes that kept `replays` (each replay times as many
+/// backwards as it had calls), on `device` (with autodiff), each the
+/// median of `reps` repetitions.
 pub fn replay_backward(
     replays: &[Replay],
     device: &Device,
     reps: usize,
 ) -> BTreeMap<Class, Duration> {
+    // The clock stays off meanwhile: a replayed backward of its own would book itself.
+    let was = ENABLED.swap(false, Ordering::Relaxed);
     let mut times = BTreeMap::new();
     for replay in replays {
         *times.entry(replay.class).or_default() +=
             (replay.backward)(device, reps) * replay.calls as u32;
     }
+    ENABLED.store(was, Ordering::Relaxed);
     times
 }
 
@@ -259,7 +279,8 @@ mod tests {
     use crate::cross_entropy::cross_entropy;
     use burn::tensor::Int;
 
-    /// The clock is one per process: these tests take turns.
+    /// The clock is one per process: these tests take turns (each for the whole test: a replay
+    /// turns the clock off while it runs).
     static SERIAL: Mutex<()> = Mutex::new(());
 
     fn serial() -> std::sync::MutexGuard<'static, ()> {
@@ -268,7 +289,6 @@ mod tests {
 
     /// One profiled forward and backward pass of a small model on Flex.
     fn profiled_step(kind: AttentionKind, implementation: AttentionImpl) -> Profile {
-        let _turn = serial();
         let device = Device::flex().autodiff();
         let model = ModelConfig::new(kind, 32, 2, 4, 64, 16)
             .init(&device)
@@ -287,6 +307,7 @@ mod tests {
 
     #[test]
     fn a_step_books_every_class_within_its_passes_wall_time() {
+        let _turn = serial();
         let booked = profiled_step(AttentionKind::Diff, AttentionImpl::Explicit);
         for class in Class::ALL {
             assert!(!booked.own(Pass::Forward, class).is_zero(), "{class:?}");
@@ -323,6 +344,7 @@ mod tests {
 
     #[test]
     fn flash_attention_books_its_own_backward() {
+        let _turn = serial();
         let booked = profiled_step(
             AttentionKind::Transformer,
             AttentionImpl::Flash { block: 4 },

@@ -28,11 +28,12 @@ pub struct PassProfile {
 }
 
 impl PassProfile {
-    /// `total` split into `classes` and the remainder ([`OTHER`], never below zero).
-    fn of(total: f64, classes: impl IntoIterator<Item = (Class, f64)>) -> Self {
+    /// `total` split into `classes` (those measured: `None` is not) and the remainder
+    /// ([`OTHER`], never below zero).
+    fn of(total: f64, classes: impl IntoIterator<Item = (Class, Option<f64>)>) -> Self {
         let mut classes: BTreeMap<String, f64> = classes
             .into_iter()
-            .map(|(class, s)| (class.name().to_string(), s))
+            .filter_map(|(class, s)| Some((class.name().to_string(), s?)))
             .collect();
         let booked: f64 = classes.values().sum();
         classes.insert(OTHER.into(), (total - booked).max(0.0));
@@ -64,19 +65,23 @@ pub fn step(booked: &Profile, steps: usize, replayed: &BTreeMap<Class, Duration>
     let total = |pass| booked.passes.get(&pass).map_or(0.0, |&(wall, _)| per(wall));
     let forward = PassProfile::of(
         total(Pass::Forward),
-        Class::ALL.map(|c| (c, per(booked.own(Pass::Forward, c)))),
+        Class::ALL.map(|c| (c, Some(per(booked.own(Pass::Forward, c))))),
     );
     let mut from_replays = Vec::new();
     let backward = PassProfile::of(
         total(Pass::Backward),
         Class::ALL.map(|c| {
+            // A class whose backward is neither timed where it runs nor replayed (Burn's
+            // backward of the embedding; of the one-pass operations where Flex does not take
+            // them) is not measured: its time is in `other`.
             let own = booked.own(Pass::Backward, c);
             match replayed.get(&c) {
-                Some(&replay) if own.is_zero() => {
+                _ if !own.is_zero() => (c, Some(per(own))),
+                Some(&replay) => {
                     from_replays.push(c.name().to_string());
-                    (c, per(replay))
+                    (c, Some(per(replay)))
                 }
-                _ => (c, per(own)),
+                None => (c, None),
             }
         }),
     );
@@ -94,7 +99,7 @@ pub fn decode(booked: &Profile) -> Option<PassProfile> {
     let per = |d: Duration| d.as_secs_f64() / n.max(1) as f64;
     Some(PassProfile::of(
         per(wall),
-        Class::ALL.map(|c| (c, per(booked.own(Pass::Decode, c)))),
+        Class::ALL.map(|c| (c, Some(per(booked.own(Pass::Decode, c))))),
     ))
 }
 
@@ -112,7 +117,7 @@ pub fn print(rows: &[Row]) {
             match ours.replayed.is_empty() {
                 true => "each class timed where it runs".to_string(),
                 false => format!(
-                    "each class timed where it runs, * backward of its replays timed alone: {}",
+                    "each class timed where it runs, * backward of its replays timed alone: {}; -: not measured, in other",
                     ours.replayed.join(", ")
                 ),
             }
@@ -160,9 +165,17 @@ mod tests {
 
     #[test]
     fn the_remainder_is_what_no_class_took_and_never_negative() {
-        let p = PassProfile::of(1.0, [(Class::Matmul, 0.5), (Class::Norm, 0.2)]);
+        let p = PassProfile::of(
+            1.0,
+            [
+                (Class::Matmul, Some(0.5)),
+                (Class::Norm, Some(0.2)),
+                (Class::Embedding, None),
+            ],
+        );
         assert!((p.get(OTHER).unwrap() - 0.3).abs() < 1e-12);
-        let p = PassProfile::of(1.0, [(Class::Matmul, 1.2)]);
+        assert_eq!(p.get("embedding"), None, "not measured is not zero");
+        let p = PassProfile::of(1.0, [(Class::Matmul, Some(1.2))]);
         assert_eq!(p.get(OTHER), Some(0.0));
     }
 }
