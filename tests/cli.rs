@@ -2832,28 +2832,19 @@ fn bench_measures_every_variant_and_compares_with_a_torch_harness() {
     assert!(err.contains("dtype `f8`"), "{err}");
 }
 
+/// The small model and step both `bench --profile` tests measure.
+const PROFILED: [&str; 12] = [
+    "--size", "64x2x4", "--seq", "16", "--batch", "2", "--vocab", "128", "--reps", "2", "--warmup",
+    "1",
+];
+
 /// `bench --profile` breaks a training step's forward and backward passes and a decoding step
 /// into classes of operation that, with the remainder, make up each pass; the products' and the
 /// explicit attention's backward (Burn's autodiff's) are their replays'. What it cannot time is
 /// refused.
 #[test]
 fn bench_profile_breaks_each_pass_into_classes() {
-    let shape = [
-        "--size",
-        "64x2x4",
-        "--seq",
-        "16",
-        "--batch",
-        "2",
-        "--vocab",
-        "128",
-        "--reps",
-        "2",
-        "--warmup",
-        "1",
-        "--attention",
-        "diff",
-    ];
+    let shape = [&PROFILED[..], &["--attention", "diff"]].concat();
     let report = json(
         &[
             &["bench", "--device", "flex", "--profile", "--json"],
@@ -2932,30 +2923,23 @@ fn bench_profile_breaks_each_pass_into_classes() {
 #[ignore = "needs DIFFZOO_PYTHON with torch; .ci/run runs it"]
 fn bench_profile_with_torch_profiler() {
     let python = std::env::var("DIFFZOO_PYTHON").expect("DIFFZOO_PYTHON: a Python with torch");
-    let report = json(&[
-        "bench",
-        "--device",
-        "flex",
-        "--profile",
-        "--torch",
-        "--json",
-        "--python",
-        &python,
-        "--size",
-        "64x2x4",
-        "--seq",
-        "16",
-        "--batch",
-        "2",
-        "--vocab",
-        "128",
-        "--reps",
-        "2",
-        "--warmup",
-        "1",
-        "--attention",
-        "transformer,diff",
-    ]);
+    let report = json(
+        &[
+            "bench",
+            "--device",
+            "flex",
+            "--profile",
+            "--torch",
+            "--json",
+            "--python",
+            &python,
+            "--attention",
+            "transformer,diff",
+        ]
+        .into_iter()
+        .chain(PROFILED)
+        .collect::<Vec<_>>(),
+    );
     for row in report["rows"].as_array().unwrap() {
         let theirs = &row["torch"]["profile"];
         for pass in ["forward", "backward"] {
