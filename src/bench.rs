@@ -36,6 +36,7 @@ use burn::module::Module;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use clap::Args;
 use diffzoo_datasets::{LmBatcher, Rng};
+use diffzoo_models::profile as clock;
 use diffzoo_models::{AttentionImpl, AttentionKind, DEFAULT_ATTENTION_BLOCK, ModelConfig};
 use profile::StepProfile;
 use roofline::Roofline;
@@ -953,8 +954,7 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
     });
     drop(trained);
     let mut step_profile = booked.map(|booked| {
-        let replayed =
-            diffzoo_models::profile::replay_backward(&booked.replays, &training, args.reps);
+        let replayed = clock::replay_backward(&booked.replays, &training, args.reps);
         profile::step(&booked, args.reps, &replayed)
     });
 
@@ -983,16 +983,12 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
 }
 
 /// `steps` calls of `step` with the profile's clock on, and what it booked.
-fn profiled(
-    steps: usize,
-    mut step: impl FnMut() -> Result<()>,
-) -> Result<diffzoo_models::profile::Profile> {
-    use diffzoo_models::profile;
-    profile::take();
-    profile::enable(true);
+fn profiled(steps: usize, mut step: impl FnMut() -> Result<()>) -> Result<clock::Profile> {
+    clock::take();
+    clock::enable(true);
     let done = (0..steps).try_for_each(|_| step());
-    profile::enable(false);
-    done.map(|()| profile::take())
+    clock::enable(false);
+    done.map(|()| clock::take())
 }
 
 /// Decoding steps of the first sequence of `inputs` (its first half as the prompt, then one
@@ -1002,7 +998,6 @@ fn profiled_decode(
     inputs: burn::tensor::Tensor<2, burn::tensor::Int>,
     reps: usize,
 ) -> Result<Option<profile::PassProfile>> {
-    use diffzoo_models::profile::{self as clock, Pass};
     let seq = inputs.dims()[1];
     let prompt = seq / 2;
     if prompt == 0 {
@@ -1013,7 +1008,7 @@ fn profiled_decode(
     model.forward_cached_last(tokens.clone().narrow(1, 0, prompt), &mut cache);
     let booked = profiled(reps.min(seq - prompt), || {
         let next = tokens.clone().narrow(1, cache.len(), 1);
-        clock::pass(Pass::Decode, || {
+        clock::pass(clock::Pass::Decode, || {
             model
                 .forward_cached_last(next, &mut cache)
                 .argmax(2)

@@ -284,12 +284,23 @@ pub(crate) fn causal_softmax<const D: usize>(
 ) -> Tensor<D> {
     match (bits, mask) {
         (0, None) => {
-            let [s, d] = [q.dims()[D - 2], q.dims()[D - 1]];
-            let scores = q.matmul(k.swap_dims(D - 2, D - 1));
-            fused::causal_softmax(scores, s, 1.0 / (d as f64).sqrt())
+            let s = q.dims()[D - 2];
+            one_pass_causal_softmax(q, k, s)
         }
         (bits, mask) => softmax(causal_logits(q, k, bits, mask), D - 1),
     }
+}
+
+/// [`causal_softmax`] without quantisation or a given mask, by [`fused::causal_softmax`]: the
+/// rows of `q` cycle over the last `positions` of k's positions (GQA groups stacked along them).
+fn one_pass_causal_softmax<const D: usize>(
+    q: Tensor<D>,
+    k: Tensor<D>,
+    positions: usize,
+) -> Tensor<D> {
+    let d = q.dims()[D - 1];
+    let scores = q.matmul(k.swap_dims(D - 2, D - 1));
+    fused::causal_softmax(scores, positions, 1.0 / (d as f64).sqrt())
 }
 
 /// `softmax(q·kᵀ/√d + causal mask)·v` by the configured implementation; quantised logits
@@ -383,10 +394,7 @@ fn grouped_causal_attention(
     // Row r·S + i of a group is query head r's position i.
     let grouped = q.reshape([b, h_kv, n_rep * s, d]);
     let probs = match mask {
-        None => {
-            let scores = grouped.matmul(k.swap_dims(2, 3));
-            fused::causal_softmax(scores, s, 1.0 / (d as f64).sqrt())
-        }
+        None => one_pass_causal_softmax(grouped, k, s),
         Some(future) => {
             // The mask of position i, n_rep times.
             let [mb, mh, _, _] = future.dims();
