@@ -1,5 +1,5 @@
-//! RMSNorm, RoPE, SwiGLU's gate, attention's causal softmax and AdamW's update as the decoder
-//! and trainer compute them, each in one pass on Flex:
+//! RMSNorm, RoPE, SwiGLU's gate, attention's causal softmax, DIFF attention's differential map and
+//! AdamW's update as the decoder and trainer compute them, each in one pass on Flex:
 //!
 //! ```text
 //! RMSNorm(x) = x / √(mean(x²) + ε) · γ                      (per row, mean over d_model)
@@ -8,6 +8,8 @@
 //! SwiGLU(g, u) = silu(g)·u = g·σ(g)·u,   σ(g) = 1 / (1 + e^(−g))
 //! CausalSoftmax(x)_ij = e^(c·x_ij) / Σ_{k ≤ i'} e^(c·x_ik) for j ≤ i', else 0
 //!     (row i of the S query positions, i' = i + T − S among the T keys; c = 1/√d)
+//! Differential(x₁, x₂; λ) = CausalSoftmax(x₁) − λ·CausalSoftmax(x₂)
+//!     (x₁, x₂ the scores of half-heads 2h and 2h+1: DIFF's A₁ − λA₂)
 //! ```
 //!
 //! with their gradients (d: the incoming gradient, r = 1/√(mean(x²) + ε) per row of D):
@@ -17,6 +19,8 @@
 //! RoPE:     ∂x = RoPE of d by (cos, −sin)        (the inverse rotation)
 //! SwiGLU:   ∂g = d·u·σ(g)·(1 + g·(1 − σ(g))),   ∂u = d·g·σ(g)
 //! CausalSoftmax:  ∂x = c·y⊙(d − ⟨d, y⟩)          (per row; y the output, 0 where masked)
+//! Differential:   ∂x₁ = c·y₁⊙(d − ⟨d, y₁⟩),   ∂x₂ = −λ·c·y₂⊙(d − ⟨d, y₂⟩),   ∂λ = −Σ_rows ⟨d, y₂⟩
+//!     (y₁, y₂ the two causal softmax maps, kept from the forward pass)
 //! ```
 //!
 //! and AdamW as [`adamw`] states it. Burn's ops spend a dozen passes (and as many tensors) on each,
@@ -150,6 +154,47 @@ pub fn causal_softmax_plain<const D: usize>(
             .mask_fill(future, f32::NEG_INFINITY),
         D - 1,
     )
+}
+
+/// DIFF attention's differential map `A₁ − λ·A₂` ([`Differential`] of the module's equations)
+/// from the scores `[B, 2H, R, T]` of half-head pairs (2h, 2h+1), as `[B, H, R, T]`; each map is
+/// [`causal_softmax`]'s of its scores with `positions` and `scale`, `lambda` a `[1, 1, 1, 1]`
+/// tensor. In one pass per pair of rows where Flex takes it (the maps kept for the backward).
+///
+/// [`Differential`]: self
+pub fn differential_softmax(
+    scores: Tensor<4>,
+    positions: usize,
+    scale: f64,
+    lambda: Tensor<4>,
+) -> Tensor<4> {
+    <burn::backend::Dispatch as FusedOps>::differential_softmax(
+        scores.clone().into_dispatch(),
+        positions,
+        scale,
+        lambda.clone().into_dispatch(),
+    )
+    .map(Tensor::from_dispatch)
+    .unwrap_or_else(|| pair_difference(causal_softmax(scores, positions, scale), lambda))
+}
+
+/// [`differential_softmax`] by Burn's operations.
+pub fn differential_softmax_plain(
+    scores: Tensor<4>,
+    positions: usize,
+    scale: f64,
+    lambda: Tensor<4>,
+) -> Tensor<4> {
+    pair_difference(causal_softmax_plain(scores, positions, scale), lambda)
+}
+
+/// Half-head pairs `[B, 2H, S, n]` into `x_{2h} − λ·x_{2h+1}`, `[B, H, S, n]` (`lambda`
+/// broadcast to that).
+pub fn pair_difference(pairs: Tensor<4>, lambda: Tensor<4>) -> Tensor<4> {
+    let [b, h2, s, n] = pairs.dims();
+    let pairs = pairs.reshape([b, h2 / 2, 2, s, n]);
+    let [first, second] = [0, 1].map(|c| pairs.clone().narrow(2, c, 1).squeeze_dim::<4>(2));
+    first - second * lambda
 }
 
 /// AdamW's numbers for one step t of one parameter: β₁, β₂, ε, the bias corrections
@@ -303,6 +348,40 @@ pub trait FusedOps: Backend {
         causal_softmax_backward_plain::<Self>(y, grad, scale)
     }
 
+    /// [`differential_softmax`] of `scores` `[B, 2H, R, T]` with `lambda` `[1, 1, 1, 1]`;
+    /// `None`: not taken.
+    fn differential_softmax(
+        _scores: FloatTensor<Self>,
+        _positions: usize,
+        _scale: f64,
+        _lambda: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        None
+    }
+
+    /// [`FusedOps::differential_softmax`] with the two causal softmax maps `[B, 2H, R, T]` it
+    /// subtracted, for the backward (autodiff's forward calls it); `None`: not taken.
+    fn differential_softmax_with_maps(
+        _scores: FloatTensor<Self>,
+        _positions: usize,
+        _scale: f64,
+        _lambda: FloatTensor<Self>,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        None
+    }
+
+    /// The gradients `(∂scores, ∂λ)` of [`FusedOps::differential_softmax`] from its two maps
+    /// `y` `[B, 2H, R, T]`, λ and the output's `grad` `[B, H, R, T]` (the module's equations;
+    /// called only where it was taken).
+    fn differential_softmax_backward(
+        y: FloatTensor<Self>,
+        lambda: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        differential_softmax_backward_plain::<Self>(y, lambda, grad, scale)
+    }
+
     /// RoPE of `x` `[B, S, heads·d]` by `table` `[S, d, 2]` (cos, sin), as `[B, S, heads·d]`;
     /// `None`: not taken.
     fn rotary(
@@ -380,6 +459,34 @@ impl FusedOps for burn::backend::Flex {
     ) -> FloatTensor<Self> {
         flex::causal_softmax_backward(&y, &grad, scale as f32)
             .unwrap_or_else(|| causal_softmax_backward_plain::<Self>(y, grad, scale))
+    }
+
+    fn differential_softmax(
+        scores: FloatTensor<Self>,
+        positions: usize,
+        scale: f64,
+        lambda: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        flex::differential_softmax(&scores, positions, scale as f32, &lambda).map(|(map, _)| map)
+    }
+
+    fn differential_softmax_with_maps(
+        scores: FloatTensor<Self>,
+        positions: usize,
+        scale: f64,
+        lambda: FloatTensor<Self>,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        flex::differential_softmax(&scores, positions, scale as f32, &lambda)
+    }
+
+    fn differential_softmax_backward(
+        y: FloatTensor<Self>,
+        lambda: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        flex::differential_softmax_backward(&y, &lambda, &grad, scale as f32)
+            .unwrap_or_else(|| differential_softmax_backward_plain::<Self>(y, lambda, grad, scale))
     }
 
     fn rotary_backward(
@@ -476,6 +583,28 @@ impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
             },
         )
     }
+    fn differential_softmax(
+        scores: FloatTensor<Self>,
+        positions: usize,
+        scale: f64,
+        lambda: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        let guards = [scores.node(), lambda.node()];
+        let lambda = lambda.into_primitive();
+        let (map, maps) = B::differential_softmax_with_maps(
+            scores.into_primitive(),
+            positions,
+            scale,
+            lambda.clone(),
+        )?;
+        let backward = DifferentialSoftmaxBackward { scale };
+        Some(
+            match backward.prepare::<C>(guards).compute_bound().stateful() {
+                OpsKind::Tracked(prep) => prep.finish((maps, lambda), map),
+                OpsKind::UnTracked(prep) => prep.finish(map),
+            },
+        )
+    }
 }
 
 /// Registers each gradient of an operation's backward with its parent (`ops.parents`' ids), where
@@ -563,6 +692,59 @@ impl<B: Backend + FusedOps> Backward<B, 1> for CausalSoftmaxBackward {
         let d_x = B::causal_softmax_backward(ops.state, grad, self.scale);
         register::<B, 1>(grads, ops.parents.map(|p| p.map(|node| node.id)), [d_x]);
     }
+}
+
+#[derive(Debug)]
+struct DifferentialSoftmaxBackward {
+    scale: f64,
+}
+
+impl<B: Backend + FusedOps> Backward<B, 2> for DifferentialSoftmaxBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (maps, lambda) = ops.state;
+        let grad = grads.consume::<B>(&ops.node);
+        let (d_scores, d_lambda) = B::differential_softmax_backward(maps, lambda, grad, self.scale);
+        register::<B, 2>(
+            grads,
+            ops.parents.map(|p| p.map(|node| node.id)),
+            [d_scores, d_lambda],
+        );
+    }
+}
+
+/// [`FusedOps::differential_softmax_backward`] by Burn's operations: the maps' gradients
+/// `d` and `−λ·d` through [`FusedOps::causal_softmax_backward`]'s formula, `∂λ = −Σ d⊙y₂`.
+fn differential_softmax_backward_plain<B: Backend>(
+    y: FloatTensor<B>,
+    lambda: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    scale: f64,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let shape = y.shape();
+    let [b, h2, r, t] = shape.dims();
+    let lambda_shape = lambda.shape();
+    let (device, dtype) = (y.device(), y.dtype());
+    let y = B::float_reshape(y, Shape::new([b, h2 / 2, 2, r, t]));
+    let grad = B::float_reshape(grad, Shape::new([b, h2 / 2, 1, r, t]));
+    // Per map of a pair, its factor: 1 for A₁, −λ for A₂.
+    let factors = B::float_cat(
+        vec![
+            B::float_ones(Shape::new([1]), &device, dtype.into()),
+            B::float_neg(B::float_reshape(lambda, Shape::new([1]))),
+        ],
+        0,
+    );
+    let factors = B::float_reshape(factors, Shape::new([1, 1, 2, 1, 1]));
+    let slices = [0..b, 0..h2 / 2, 1..2, 0..r, 0..t].map(Slice::from);
+    let second = B::float_slice(y.clone(), &slices);
+    let d_lambda = B::float_neg(B::float_sum(B::float_mul(grad.clone(), second)));
+    let d_scores = causal_softmax_backward_plain::<B>(y, B::float_mul(grad, factors), scale);
+    (
+        B::float_reshape(d_scores, shape),
+        B::float_reshape(d_lambda, lambda_shape),
+    )
 }
 
 /// [`FusedOps::causal_softmax_backward`] by Burn's operations.
@@ -869,18 +1051,122 @@ pub(crate) mod flex {
             .zip(xs.par_chunks(keys))
             .enumerate()
             .with_min_len(SOFTMAX_ROWS)
-            .for_each(|(row, (y, x))| {
-                let visible = &mut y[..row % positions + past + 1];
-                for (y, x) in visible.iter_mut().zip(x) {
-                    *y = x * scale;
-                }
-                let sum = exp::exp_shifted(visible, exp::max_of(visible));
-                let inverse = 1.0 / sum;
-                for y in visible {
-                    *y *= inverse;
-                }
-            });
+            .for_each(|(row, (y, x))| softmax_row(&mut y[..row % positions + past + 1], x, scale));
         Some(like(y, scores))
+    }
+
+    /// One causal row: `y` (the visible entries) = softmax(scale·x) over them.
+    fn softmax_row(y: &mut [f32], x: &[f32], scale: f32) {
+        for (y, x) in y.iter_mut().zip(x) {
+            *y = x * scale;
+        }
+        let inverse = 1.0 / exp::exp_shifted(y, exp::max_of(y));
+        for y in y {
+            *y *= inverse;
+        }
+    }
+
+    /// One row of a causal softmax's backward: `out = factor·y⊙(d − ⟨d, y⟩)`; returns ⟨d, y⟩.
+    fn softmax_row_backward(out: &mut [f32], y: &[f32], d: &[f32], factor: f32) -> f32 {
+        let inner = dot(d, y);
+        for ((out, y), d) in out.iter_mut().zip(y).zip(d) {
+            *out = factor * y * (d - inner);
+        }
+        inner
+    }
+
+    /// `[B, H, R, T]`, the differential map's shape, of half-head pairs' `[B, 2H, R, T]` with
+    /// R, T > 0 (`None` for another shape).
+    fn pairs_map(pairs: &FloatTensor<Flex>) -> Option<[usize; 4]> {
+        let shape = pairs.shape();
+        let &[b, h2, rows, keys] = &shape[..] else {
+            return None;
+        };
+        (h2 % 2 == 0 && rows > 0 && keys > 0).then_some([b, h2 / 2, rows, keys])
+    }
+
+    /// [`super::differential_softmax`] and the two maps: per pair of rows (A₁'s and A₂'s of a
+    /// query), both causal softmaxes as [`causal_softmax`]'s, then `A₁ − λ·A₂` over the visible
+    /// entries. Pairs and their rows over rayon's threads.
+    pub(super) fn differential_softmax(
+        scores: &FloatTensor<Flex>,
+        positions: usize,
+        scale: f32,
+        lambda: &FloatTensor<Flex>,
+    ) -> Option<(FloatTensor<Flex>, FloatTensor<Flex>)> {
+        let (xs, &[lambda]) = (elements(scores)?, elements(lambda)?) else {
+            return None;
+        };
+        let (keys, past) = causal_rows(scores, positions)?;
+        let half = pairs_map(scores)?;
+        if scale <= 0.0 {
+            return None;
+        }
+        let map = half[2] * keys;
+        let (mut y, mut out) = (vec![0.0f32; xs.len()], vec![0.0f32; xs.len() / 2]);
+        y.par_chunks_mut(2 * map)
+            .zip(out.par_chunks_mut(map))
+            .zip(xs.par_chunks(2 * map))
+            .for_each(|((y, out), xs)| {
+                let (y_1, y_2) = y.split_at_mut(map);
+                let (x_1, x_2) = xs.split_at(map);
+                out.par_chunks_mut(keys)
+                    .zip(y_1.par_chunks_mut(keys).zip(y_2.par_chunks_mut(keys)))
+                    .zip(x_1.par_chunks(keys).zip(x_2.par_chunks(keys)))
+                    .enumerate()
+                    .with_min_len(SOFTMAX_ROWS)
+                    .for_each(|(row, ((out, (y_1, y_2)), (x_1, x_2)))| {
+                        let visible = row % positions + past + 1;
+                        let (y_1, y_2) = (&mut y_1[..visible], &mut y_2[..visible]);
+                        softmax_row(y_1, x_1, scale);
+                        softmax_row(y_2, x_2, scale);
+                        for ((out, a_1), a_2) in out.iter_mut().zip(&*y_1).zip(&*y_2) {
+                            *out = a_1 - lambda * a_2;
+                        }
+                    });
+            });
+        let out = Flex::float_from_data(TensorData::new(out, half), &scores.device());
+        Some((out, like(y, scores)))
+    }
+
+    /// [`super::FusedOps::differential_softmax_backward`] in one pass per pair of rows, each
+    /// row's ⟨d, y₂⟩ kept and summed in order for ∂λ (the same sum on every run).
+    pub(super) fn differential_softmax_backward(
+        y: &FloatTensor<Flex>,
+        lambda: &FloatTensor<Flex>,
+        grad: &FloatTensor<Flex>,
+        scale: f32,
+    ) -> Option<(FloatTensor<Flex>, FloatTensor<Flex>)> {
+        let (ys, ds, &[lambda_value]) = (elements(y)?, elements(grad)?, elements(lambda)?) else {
+            return None;
+        };
+        let half = pairs_map(y)?;
+        if grad.shape()[..] != half {
+            return None;
+        }
+        let [_, _, rows, keys] = half;
+        let map = rows * keys;
+        let mut d_x = vec![0.0f32; ys.len()];
+        let mut inner_2 = vec![0.0f32; ds.len() / keys];
+        d_x.par_chunks_mut(2 * map)
+            .zip(inner_2.par_chunks_mut(rows))
+            .zip(ys.par_chunks(2 * map).zip(ds.par_chunks(map)))
+            .for_each(|((d_x, inner_2), (ys, ds))| {
+                let (d_x_1, d_x_2) = d_x.split_at_mut(map);
+                let (y_1, y_2) = ys.split_at(map);
+                inner_2
+                    .par_iter_mut()
+                    .zip(d_x_1.par_chunks_mut(keys).zip(d_x_2.par_chunks_mut(keys)))
+                    .zip(y_1.par_chunks(keys).zip(y_2.par_chunks(keys)))
+                    .zip(ds.par_chunks(keys))
+                    .with_min_len(SOFTMAX_ROWS)
+                    .for_each(|(((inner_2, (d_x_1, d_x_2)), (y_1, y_2)), d)| {
+                        softmax_row_backward(d_x_1, y_1, d, scale);
+                        *inner_2 = softmax_row_backward(d_x_2, y_2, d, -lambda_value * scale);
+                    });
+            });
+        let d_lambda = -inner_2.iter().sum::<f32>();
+        Some((like(d_x, y), like(vec![d_lambda], lambda)))
     }
 
     /// [`super::FusedOps::causal_softmax_backward`] in one pass per row (the masked entries of y
@@ -903,10 +1189,7 @@ pub(crate) mod flex {
             .zip(ys.par_chunks(keys).zip(ds.par_chunks(keys)))
             .with_min_len(SOFTMAX_ROWS)
             .for_each(|(d_x, (y, d))| {
-                let inner = dot(d, y);
-                for ((out, y), d) in d_x.iter_mut().zip(y).zip(d) {
-                    *out = scale * y * (d - inner);
-                }
+                softmax_row_backward(d_x, y, d, scale);
             });
         Some(like(d_x, y))
     }

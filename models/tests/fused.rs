@@ -371,9 +371,17 @@ fn flex_takes_the_fused_operations_under_autodiff() {
     assert!(rotary.is_some(), "RoPE");
     let swiglu = <Dispatch as FusedOps>::swiglu(x.clone().into_dispatch(), x.into_dispatch());
     assert!(swiglu.is_some(), "SwiGLU");
-    let scores = random([2, 3, 8, 8], &device).require_grad();
-    let softmax = <Dispatch as FusedOps>::causal_softmax(scores.into_dispatch(), 8, 0.5);
+    let scores = random([2, 4, 8, 8], &device).require_grad();
+    let softmax = <Dispatch as FusedOps>::causal_softmax(scores.clone().into_dispatch(), 8, 0.5);
     assert!(softmax.is_some(), "the causal softmax");
+    let lambda = Tensor::<4>::full([1, 1, 1, 1], 0.8, &device).require_grad();
+    let differential = <Dispatch as FusedOps>::differential_softmax(
+        scores.into_dispatch(),
+        8,
+        0.5,
+        lambda.into_dispatch(),
+    );
+    assert!(differential.is_some(), "the differential map");
 }
 
 /// Causal maps: queries as the last positions of more keys (a cache before them), GQA groups
@@ -474,6 +482,156 @@ fn burns_operations_give_flexs_causal_softmax_backward() {
             ),
             on_flex.clone(),
             1e-6,
+            1e-5,
+        );
+    }
+}
+
+/// `t`'s values as a view of the first columns of a wider tensor (not contiguous).
+fn strided(t: Tensor<4>) -> Tensor<4> {
+    let columns = t.dims()[3];
+    Tensor::cat(vec![t.clone(), t], 3).narrow(3, 0, columns)
+}
+
+/// Differential maps `[B, 2H, R, T]` over `positions`, λ: queries after a cache, GQA-style rows
+/// stacked, a decoding step's single row, λ negative and λ past 1.
+const DIFFERENTIAL: [([usize; 4], usize, f64, f32); 4] = [
+    ([2, 4, 7, 7], 7, 0.35, 0.8),
+    ([1, 2, 5, 9], 5, 0.125, -0.3),
+    ([2, 2, 40, 37], 20, 0.125, 0.2),
+    ([1, 6, 1, 17], 1, 0.25, 1.4),
+];
+
+#[test]
+fn differential_softmax_equals_burns_maps_subtracted() {
+    for (backend, device) in backends() {
+        for (shape, positions, scale, lambda) in DIFFERENTIAL {
+            let scores = random(shape, &device) * 3.0;
+            let lambda = Tensor::<4>::full([1, 1, 1, 1], lambda, &device);
+            let what = format!("{backend}: {shape:?} over {positions}");
+            let ours =
+                fused::differential_softmax(scores.clone(), positions, scale, lambda.clone());
+            // A₁ − λ·A₂ from the separate maps of half-heads 2h and 2h+1.
+            let maps = fused::causal_softmax_plain(scores.clone(), positions, scale);
+            let [b, h2, r, t] = shape;
+            let pairs = maps.reshape([b, h2 / 2, 2, r, t]);
+            let [a_1, a_2] =
+                [0, 1].map(|c| pairs.clone().narrow(2, c, 1).reshape([b, h2 / 2, r, t]));
+            assert_close(&what, ours.clone(), a_1 - a_2 * lambda.clone(), 1e-6, 1e-5);
+            assert_close(
+                &format!("{what}, plain"),
+                ours,
+                fused::differential_softmax_plain(scores.clone(), positions, scale, lambda.clone()),
+                1e-6,
+                1e-5,
+            );
+            // A strided view takes Burn's ops.
+            assert_close(
+                &format!("{what}, strided"),
+                fused::differential_softmax(
+                    strided(scores.clone()),
+                    positions,
+                    scale,
+                    lambda.clone(),
+                ),
+                fused::differential_softmax_plain(scores, positions, scale, lambda),
+                1e-6,
+                1e-5,
+            );
+        }
+    }
+}
+
+#[test]
+fn differential_softmax_gradients_are_burns_under_autodiff() {
+    for (backend, device) in backends() {
+        let device = device.autodiff();
+        for (shape, positions, scale, lambda) in DIFFERENTIAL {
+            let scores = (random(shape, &device) * 3.0).require_grad();
+            let lambda = Tensor::<4>::full([1, 1, 1, 1], lambda, &device).require_grad();
+            let [b, h2, r, t] = shape;
+            let weights = random([b, h2 / 2, r, t], &device);
+            let grads = |map: Tensor<4>| (map * weights.clone()).sum().backward();
+            let ours = grads(fused::differential_softmax(
+                scores.clone(),
+                positions,
+                scale,
+                lambda.clone(),
+            ));
+            let theirs = grads(fused::differential_softmax_plain(
+                scores.clone(),
+                positions,
+                scale,
+                lambda.clone(),
+            ));
+            let what = format!("{backend}: {shape:?} over {positions}");
+            assert_close(
+                &format!("{what}, ∂scores"),
+                scores.grad(&ours).unwrap(),
+                scores.grad(&theirs).unwrap(),
+                1e-5,
+                1e-4,
+            );
+            assert_close(
+                &format!("{what}, ∂λ"),
+                lambda.grad(&ours).unwrap(),
+                lambda.grad(&theirs).unwrap(),
+                1e-5,
+                1e-4,
+            );
+        }
+    }
+}
+
+#[test]
+fn burns_operations_give_flexs_differential_softmax_backward() {
+    let flex = Device::flex();
+    let ([b, h2, r, t], scale) = ([2, 4, 9, 11], 0.25);
+    let y = fused::causal_softmax(random([b, h2, r, t], &flex), r, scale);
+    let grad = random([b, h2 / 2, r, t], &flex);
+    let lambda = Tensor::<4>::full([1, 1, 1, 1], 0.7, &flex);
+    let backward = |y: Tensor<4>, grad: Tensor<4>, lambda: Tensor<4>| {
+        let (d_scores, d_lambda) = <Dispatch as FusedOps>::differential_softmax_backward(
+            y.into_dispatch(),
+            lambda.into_dispatch(),
+            grad.into_dispatch(),
+            scale,
+        );
+        [d_scores, d_lambda].map(|t| Tensor::<4>::from_dispatch(t).to_device(&flex))
+    };
+    let [d_scores, d_lambda] = backward(y.clone(), grad.clone(), lambda.clone());
+    // A strided gradient takes Burn's operations on Flex.
+    let [strided_scores, strided_lambda] =
+        backward(y.clone(), strided(grad.clone()), lambda.clone());
+    assert_close(
+        "flex strided: ∂scores",
+        strided_scores,
+        d_scores.clone(),
+        1e-6,
+        1e-5,
+    );
+    assert_close(
+        "flex strided: ∂λ",
+        strided_lambda,
+        d_lambda.clone(),
+        1e-5,
+        1e-5,
+    );
+    for (backend, device) in backends() {
+        let on = |t: &Tensor<4>| t.clone().to_device(&device);
+        let [theirs_scores, theirs_lambda] = backward(on(&y), on(&grad), on(&lambda));
+        assert_close(
+            &format!("{backend}: ∂scores"),
+            theirs_scores,
+            d_scores.clone(),
+            1e-6,
+            1e-5,
+        );
+        assert_close(
+            &format!("{backend}: ∂λ"),
+            theirs_lambda,
+            d_lambda.clone(),
+            1e-5,
             1e-5,
         );
     }

@@ -30,7 +30,7 @@ use super::{
 };
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig, lambda_init};
-use crate::fused::rms_norm;
+use crate::fused::{self, rms_norm};
 use crate::profile::{self, Class};
 use crate::rows;
 use burn::module::{Module, Param};
@@ -181,8 +181,7 @@ impl DiffAttention {
         } else {
             // Half-heads 2h and 2h+1 both read head h's values.
             let o = causal_attention(q, k, repeat_kv(v, 2), self.implementation, 0, mask);
-            let [a1v, a2v] = halves(o);
-            a1v - a2v * lambda
+            fused::pair_difference(o, lambda)
         };
         self.output(heads)
     }
@@ -196,8 +195,7 @@ impl DiffAttention {
         let ([q, k, v], _) = self.qkv(x, rope, None);
         let logits = causal_logits(q, k, self.logit_bits, None);
         let probs = softmax(logits.clone(), 3);
-        let [a1, a2] = halves(probs.clone());
-        let effective = a1 - a2 * self.lambda_as(dtype);
+        let effective = fused::pair_difference(probs.clone(), self.lambda_as(dtype));
         let out = self.output(effective.clone().matmul(v));
         let probe = AttentionProbe {
             logits,
@@ -209,7 +207,8 @@ impl DiffAttention {
     }
 }
 
-/// `(A₁ − λ·A₂)·v` from the half-heads' explicit maps (`lambda` `[1, 1, 1, 1]`).
+/// `(A₁ − λ·A₂)·v` from the half-heads' explicit maps (`lambda` `[1, 1, 1, 1]`), the
+/// differential map in one pass ([`fused::differential_softmax`]) without quantisation or a mask.
 fn explicit_heads(
     q: Tensor<4>,
     k: Tensor<4>,
@@ -218,14 +217,13 @@ fn explicit_heads(
     bits: u32,
     mask: Option<Tensor<4, Bool>>,
 ) -> Tensor<4> {
-    let [a1, a2] = halves(causal_softmax(q, k, bits, mask));
-    (a1 - a2 * lambda).matmul(v)
-}
-
-/// Splits half-heads `[B, 2H', S, n]` into the first and second halves of every head, each
-/// `[B, H', S, n]` (for maps: A₁ and A₂).
-fn halves(x: Tensor<4>) -> [Tensor<4>; 2] {
-    let [b, h2, s, n] = x.dims();
-    let pairs = x.reshape([b, h2 / 2, 2, s, n]);
-    [0, 1].map(|c| pairs.clone().narrow(2, c, 1).squeeze_dim::<4>(2))
+    let map = match (bits, mask) {
+        (0, None) => {
+            let [s, d] = [q.dims()[2], q.dims()[3]];
+            let scores = q.matmul(k.swap_dims(2, 3));
+            fused::differential_softmax(scores, s, 1.0 / (d as f64).sqrt(), lambda)
+        }
+        (bits, mask) => fused::pair_difference(causal_softmax(q, k, bits, mask), lambda),
+    };
+    map.matmul(v)
 }
