@@ -91,7 +91,7 @@ pub struct GenerateArgs {
     pub device: String,
     /// The dtype the weight matrices are kept in while computing in f32 (default: bf16 for a run
     /// whose weights are stored in bf16, on the CPU backend; else f32). bf16 halves the bytes
-    /// each decoded token reads.
+    /// each decoded token reads; the baseline and DIFF V2 keep their KV cache in bf16 too.
     #[arg(long, value_enum)]
     pub dtype: Option<WeightDtype>,
     /// Print one JSON object (each prompt's tokens, text and ending; the timings) instead of the

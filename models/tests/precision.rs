@@ -1,14 +1,17 @@
 //! Mixed precision's compute copy (`diffzoo_models::precision`): a forward pass in bf16 whose
 //! gradients reach the f32 masters, in f32, close to those of the f32 pass; and inference
 //! weights kept in bf16 (`Model::with_weight_dtype`), computing as the f32 model whose matrices
-//! were rounded to bf16; on every backend with bf16.
+//! were rounded to bf16, with a KV cache in bf16 where every layer reads it in place; on every
+//! backend with bf16.
 
 mod common;
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::{DType, FloatDType, Tensor};
-use common::{assert_bf16_gradients, assert_close, backends, param_grads, tokens};
-use diffzoo_models::{AttentionKind, Model, ModelConfig, compute_copy};
+use burn::tensor::{DType, FloatDType, Int, Tensor};
+use common::{
+    assert_bf16_gradients, assert_close, backends, max_abs_diff, param_grads, tokens, tolerance,
+};
+use diffzoo_models::{AttentionImpl, AttentionKind, Model, ModelConfig, compute_copy};
 
 /// The bf16 pass's gradients within bf16's error of the f32 pass's
 /// ([`common::assert_bf16_gradients`]).
@@ -77,7 +80,9 @@ fn full_precision_is_the_model_itself() {
 /// A model whose weight matrices are kept in bf16 holds them (every 2-D parameter) in bf16 and
 /// the rest (norms, λ) in f32, and computes in f32 the logits of the f32 model whose matrices
 /// were rounded to bf16: over a whole sequence (the plain product, the flash path), in cached
-/// decoding (the few-row kernel, the decoding attention) and in the analysis pass.
+/// decoding (the few-row kernel, the decoding attention; the baseline's and DIFF V2's caches in
+/// bf16 like the weights, DIFF V1's in f32, the reference's cache in the same dtype) and in the
+/// analysis pass.
 #[test]
 fn bf16_weight_matrices_compute_as_their_f32_widening() {
     for (backend, device) in backends() {
@@ -107,10 +112,22 @@ fn bf16_weight_matrices_compute_as_their_f32_widening() {
                 let probe = bf16.forward_probe(input.clone()).logits;
                 assert_close(&format!("{what}: probe"), probe, want.clone(), 1e-5, 1e-5);
                 let mut cache = bf16.cache();
+                let in_place = attention != AttentionKind::Diff;
+                assert_eq!(
+                    cache.dtype(),
+                    in_place.then_some(FloatDType::BF16),
+                    "{what}: the cache's dtype"
+                );
+                assert_eq!(rounded.cache().dtype(), None, "{what}: f32 weights' cache");
+                let mut reference = match in_place {
+                    true => rounded.cache().in_dtype(FloatDType::BF16),
+                    false => rounded.cache(),
+                };
                 let mut start = 0;
                 for step in [9, 1, 1, 1] {
-                    let got = bf16.forward_cached(input.clone().narrow(1, start, step), &mut cache);
-                    let want = want.clone().narrow(1, start, step);
+                    let fed = || input.clone().narrow(1, start, step);
+                    let got = bf16.forward_cached(fed(), &mut cache);
+                    let want = rounded.forward_cached(fed(), &mut reference);
                     assert_close(&format!("{what}: cached {start}"), got, want, 1e-5, 1e-5);
                     start += step;
                 }
@@ -125,5 +142,68 @@ struct Dtypes(Vec<(usize, DType)>);
 impl ModuleVisitor for Dtypes {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         self.0.push((D, param.val().dtype()));
+    }
+}
+
+/// Decoding over a KV cache kept in bf16 ([`diffzoo_models::KvCache::in_dtype`]) gives the
+/// logits of the whole sequence within bf16's rounding of K and V, and the prompt's own
+/// positions as they are (they read their K and V unrounded), for every variant and prefill
+/// path, on every backend with bf16 (Flex's decoding kernel widens the cache as it reads it,
+/// the other paths a widened copy). The rounding shows: an f32 cache gives other logits.
+#[test]
+fn a_bf16_cache_decodes_the_whole_sequences_logits_within_bf16s_rounding() {
+    let steps = [7, 1, 1, 3, 1, 1];
+    let seq: usize = steps.iter().sum();
+    let decode = |model: &Model, input: &Tensor<2, Int>, dtype: FloatDType| {
+        let mut cache = model.cache().in_dtype(dtype);
+        let mut start = 0;
+        let logits: Vec<Tensor<3>> = steps
+            .iter()
+            .map(|&step| {
+                let fed = input.clone().narrow(1, start, step);
+                start += step;
+                model.forward_cached(fed, &mut cache)
+            })
+            .collect();
+        Tensor::cat(logits, 1)
+    };
+    let prompt = |t: &Tensor<3>| t.clone().narrow(1, 0, steps[0]);
+    let rest = |t: &Tensor<3>| t.clone().narrow(1, steps[0], seq - steps[0]);
+    for (backend, device) in backends() {
+        if !device.supports_dtype(FloatDType::BF16) {
+            continue;
+        }
+        for attention in AttentionKind::ALL {
+            for implementation in [AttentionImpl::Explicit, AttentionImpl::Flash { block: 5 }] {
+                let what = format!("{backend}: {attention} {implementation:?}");
+                device.seed(7);
+                let model: Model = ModelConfig::new(attention, 48, 3, 8, 61, 32)
+                    .with_kv_heads(Some(2))
+                    .with_attention_impl(implementation)
+                    .init(&device);
+                let input = tokens(2, seq, 61, 1, &device);
+                let whole = model.forward(input.clone());
+                let bf16 = decode(&model, &input, FloatDType::BF16);
+                let f32 = decode(&model, &input, FloatDType::F32);
+                let tolerance = tolerance(backend);
+                assert_close(
+                    &format!("{what}: the prompt"),
+                    prompt(&bf16),
+                    prompt(&whole),
+                    tolerance,
+                    1e-5,
+                );
+                assert_close(&format!("{what}: f32"), f32, whole.clone(), tolerance, 1e-5);
+                // bf16 keeps 8 bits of mantissa: K and V within 2⁻⁹ of themselves move logits of
+                // this size by a few thousandths.
+                let rounding = max_abs_diff(rest(&bf16), rest(&whole));
+                let scale = whole.abs().max().into_scalar::<f32>();
+                assert!(
+                    rounding > 1e-5 && rounding <= 1e-2 * scale,
+                    "{what}: decoded over a bf16 cache, max |Δ| = {rounding:e} against logits up \
+                     to {scale:e}: not bf16's rounding"
+                );
+            }
+        }
     }
 }

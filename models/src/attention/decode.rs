@@ -12,9 +12,10 @@
 //! a decoding step's attention in matmul calls of three rows and in mask, softmax and layout
 //! passes, all on one thread; here each (sequence, kv head, position) is one task, on the threads
 //! of [`crate::team`] from a quarter million multiply-adds (on the calling thread below), that
-//! reads its kv head's keys and values once for all its query heads, in place. Only Flex in f32
-//! with contiguous last dimensions and the shapes above takes it: [`attention`] answers `None`
-//! for everything else, autodiff included.
+//! reads its kv head's keys and values once for all its query heads, in place (K and V in f32 or
+//! in bf16, a cache kept narrower: [`crate::cache`], widened as read). Only Flex with f32 queries,
+//! contiguous last dimensions and the shapes above takes it: [`attention`] answers `None` for
+//! everything else, autodiff included.
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
 #![allow(deprecated)]
 
@@ -92,32 +93,34 @@ default_ops!(DecodeAttentionOps);
 #[cfg(feature = "flex")]
 mod flex {
     use crate::exp::exp_shifted;
-    use crate::rows::flex::dot;
     #[cfg(target_arch = "x86_64")]
     use crate::rows::flex::dot_avx512;
+    use crate::rows::flex::{Widen, dot};
     use burn::backend::ops::FloatTensorOps;
     use burn::backend::tensor::{BoolTensor, FloatTensor};
     use burn::backend::{Flex, TensorMetadata};
-    use burn::tensor::{DType, TensorData};
+    use burn::tensor::{DType, Element, TensorData, bf16};
     use std::sync::Mutex;
 
-    /// A 4-d tensor's f32 elements by index (`None` unless f32 with a contiguous last dimension).
-    struct View<'a> {
-        data: &'a [f32],
+    /// A 4-d tensor's elements (f32 or bf16) by index (`None` unless of `E`'s dtype with a
+    /// contiguous last dimension).
+    struct View<'a, E> {
+        data: &'a [E],
         start: usize,
         strides: [usize; 3],
         last: usize,
     }
 
-    impl<'a> View<'a> {
-        fn of(t: &'a FloatTensor<Flex>) -> Option<Self> {
+    impl<'a, E: Element> View<'a, E> {
+        /// `t` over its storage `data` (read as `E`).
+        fn of(t: &'a FloatTensor<Flex>, data: &'a [E]) -> Option<Self> {
             let strides = t.layout().strides();
-            if t.dtype() != DType::F32 || strides[3] != 1 && t.shape()[3] > 1 {
+            if t.dtype() != E::dtype() || strides[3] != 1 && t.shape()[3] > 1 {
                 return None;
             }
             let positive = strides[..3].iter().all(|&s| s >= 0);
             positive.then(|| Self {
-                data: t.storage::<f32>(),
+                data,
                 start: t.layout().start_offset(),
                 strides: [
                     strides[0] as usize,
@@ -129,7 +132,7 @@ mod flex {
         }
 
         /// Row `[a, b, c, :]`.
-        fn row(&self, a: usize, b: usize, c: usize) -> &'a [f32] {
+        fn row(&self, a: usize, b: usize, c: usize) -> &'a [E] {
             let [sa, sb, sc] = self.strides;
             &self.data[self.start + a * sa + b * sb + c * sc..][..self.last]
         }
@@ -141,7 +144,33 @@ mod flex {
         v: &FloatTensor<Flex>,
         mask: Option<&BoolTensor<Flex>>,
     ) -> Option<FloatTensor<Flex>> {
-        let (qs, ks, vs) = (View::of(q)?, View::of(k)?, View::of(v)?);
+        if q.dtype() != DType::F32 || k.dtype() != v.dtype() {
+            return None;
+        }
+        let qs = View::of(q, q.storage::<f32>())?;
+        match k.dtype() {
+            DType::F32 => {
+                let kv = [k, v].map(|t| View::of(t, t.storage::<f32>()));
+                attention_over(q, k, v, qs, kv, mask)
+            }
+            DType::BF16 => {
+                let kv = [k, v].map(|t| View::of(t, t.storage::<bf16>()));
+                attention_over(q, k, v, qs, kv, mask)
+            }
+            _ => None,
+        }
+    }
+
+    /// [`attention`] with K and V in `E`, `q`, `k`, `v` read through their views.
+    fn attention_over<E: Element + Widen>(
+        q: &FloatTensor<Flex>,
+        k: &FloatTensor<Flex>,
+        v: &FloatTensor<Flex>,
+        qs: View<'_, f32>,
+        [ks, vs]: [Option<View<'_, E>>; 2],
+        mask: Option<&BoolTensor<Flex>>,
+    ) -> Option<FloatTensor<Flex>> {
+        let (ks, vs) = (ks?, vs?);
         let [b, h, s, d] = [q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]];
         let [h_kv, t, d_v] = [k.shape()[1], k.shape()[2], v.shape()[3]];
         let shapes = [
@@ -176,6 +205,7 @@ mod flex {
                 masked: |j| masked.at(bi, i, j),
                 keys: t,
                 scale,
+                element: std::marker::PhantomData,
             };
             let mut outs: Vec<_> = heads
                 .map(|hi| {
@@ -246,20 +276,23 @@ mod flex {
         }
     }
 
-    /// The query rows of one kv head's query heads (n_rep under GQA) over its `keys` positions.
-    struct Group<'a, K, V, M> {
+    /// The query rows of one kv head's query heads (n_rep under GQA) over its `keys` positions,
+    /// keys and values in `E`.
+    struct Group<'a, E, K, V, M> {
         queries: Vec<&'a [f32]>,
         key: K,
         value: V,
         masked: M,
         keys: usize,
         scale: f32,
+        element: std::marker::PhantomData<E>,
     }
 
-    impl<'a, K, V, M> Group<'a, K, V, M>
+    impl<'a, E, K, V, M> Group<'a, E, K, V, M>
     where
-        K: Fn(usize) -> &'a [f32],
-        V: Fn(usize) -> &'a [f32],
+        E: Widen + 'a,
+        K: Fn(usize) -> &'a [E],
+        V: Fn(usize) -> &'a [E],
         M: Fn(usize) -> bool,
     {
         /// Adds each query's attention output to its row of `outs` (zeros), compiled for the
@@ -298,7 +331,7 @@ mod flex {
 
         /// The attention with `dot` for ⟨query, key⟩.
         #[inline(always)]
-        fn attend_with(&self, outs: &mut [&mut [f32]], dot: impl Fn(&[f32], &[f32]) -> f32) {
+        fn attend_with(&self, outs: &mut [&mut [f32]], dot: impl Fn(&[f32], &[E]) -> f32) {
             // Plain loops: an iterator's `collect` or `fold` may be compiled out of line, without
             // this function's vector instructions. Logits `[query, key]`.
             let (n, keys) = (self.queries.len(), self.keys);
@@ -325,7 +358,7 @@ mod flex {
                 for (r, o) in outs.iter_mut().enumerate() {
                     let w = p[r * keys + j] / sum[r];
                     for (o, v) in o.iter_mut().zip(value) {
-                        *o += w * v;
+                        *o += w * v.widen();
                     }
                 }
             }

@@ -25,8 +25,8 @@
 //! result by linearity; the gradients of the maps and of λ are in [`super::flash`]).
 
 use super::{
-    AttentionProbe, StepQkv, causal_attention, causal_logits, causal_softmax, merge_heads,
-    projection, qkv_projection, repeat_kv, step_qkv,
+    AttentionProbe, StepQkv, as_queries, causal_attention, causal_logits, causal_softmax,
+    merge_heads, projection, qkv_projection, repeat_kv, step_qkv,
 };
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig, lambda_init};
@@ -119,6 +119,7 @@ impl DiffAttention {
         let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
         let heads = [2 * self.heads, 2 * self.kv_heads, self.kv_heads];
         let ([q, k, v], mask) = step_qkv(x, projections, heads, rope, cache);
+        let [k, v] = as_queries(&q, [k, v]);
         let n_rep = self.heads / self.kv_heads;
         // Query half (h, c) meets key half (h / n_rep, c): fold each kv head's two halves into one
         // "head" of 2S rows, so that repeating heads keeps the pair together.

@@ -93,6 +93,17 @@ impl Attention {
         }
     }
 
+    /// Whether a decoding step reads the KV cache in place (the decoding kernel: the baseline
+    /// and DIFF V2 at full-precision logits), so that a cache narrower than the activations
+    /// pays ([`crate::cache`]); DIFF V1's maps take Burn's products, which would widen it first.
+    pub fn reads_cache_in_place(&self) -> bool {
+        match self {
+            Self::Transformer(a) => a.logit_bits == 0,
+            Self::Diff(_) => false,
+            Self::DiffV2(a) => a.logit_bits == 0,
+        }
+    }
+
     /// Like [`Attention::forward`], also returning the attention maps.
     pub fn forward_probe(
         &self,
@@ -208,6 +219,13 @@ pub(crate) fn step_qkv(
         }
         None => ([q, k, v], None),
     }
+}
+
+/// Keys and values in the queries' dtype: widened from a cache kept narrower
+/// ([`crate::cache`]), as they are otherwise.
+pub(crate) fn as_queries(q: &Tensor<4>, kv: [Tensor<4>; 2]) -> [Tensor<4>; 2] {
+    let dtype = q.dtype();
+    kv.map(|t| t.cast(dtype))
 }
 
 /// GQA: `[B, H_kv, S, dim]` → `[B, H_kv·n_rep, S, dim]`, query head `i` reading kv head
@@ -341,12 +359,15 @@ fn attend(
 ) -> Tensor<4> {
     let n_rep = q.dims()[1] / k.dims()[1];
     let cached = k.dims()[2] > q.dims()[2];
+    if bits == 0 && (cached || mask.is_some()) {
+        return grouped_causal_attention(q, k, v, mask);
+    }
+    let [k, v] = as_queries(&q, [k, v]);
     match implementation {
         // Per-map quantisation scales need each head's map on its own.
         _ if bits > 0 => {
             causal_softmax(q, repeat_kv(k, n_rep), bits, mask).matmul(repeat_kv(v, n_rep))
         }
-        _ if cached || mask.is_some() => grouped_causal_attention(q, k, v, mask),
         AttentionImpl::Explicit => grouped_causal_attention(q, k, v, None),
         AttentionImpl::Fused => {
             // Burn's attention op; its default scale is 1/√d.
@@ -386,6 +407,7 @@ fn grouped_causal_attention(
     {
         return out;
     }
+    let [k, v] = as_queries(&q, [k, v]);
     let d_v = v.dims()[3];
     let n_rep = h / h_kv;
     if n_rep == 1 {
