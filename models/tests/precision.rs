@@ -173,12 +173,16 @@ fn a_bf16_cache_decodes_the_whole_sequences_logits_within_bf16s_rounding() {
         if !device.supports_dtype(FloatDType::BF16) {
             continue;
         }
-        for attention in AttentionKind::ALL {
+        // Heads of 6, and of 120 (the decoding kernel's 64 columns in registers and a tail).
+        let shapes = AttentionKind::ALL
+            .into_iter()
+            .flat_map(|attention| [(attention, 48, 8, 2), (attention, 240, 2, 2)]);
+        for (attention, d_model, heads, kv_heads) in shapes {
             for implementation in [AttentionImpl::Explicit, AttentionImpl::Flash { block: 5 }] {
-                let what = format!("{backend}: {attention} {implementation:?}");
+                let what = format!("{backend}: {attention} d {d_model} {implementation:?}");
                 device.seed(7);
-                let model: Model = ModelConfig::new(attention, 48, 3, 8, 61, 32)
-                    .with_kv_heads(Some(2))
+                let model: Model = ModelConfig::new(attention, d_model, 3, heads, 61, 32)
+                    .with_kv_heads(Some(kv_heads))
                     .with_attention_impl(implementation)
                     .init(&device);
                 let input = tokens(2, seq, 61, 1, &device);

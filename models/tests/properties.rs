@@ -113,6 +113,32 @@ fn cached_decoding_gives_the_logits_of_the_whole_sequence() {
     }
 }
 
+/// Heads of 120 (the decoding kernel sums values 64 columns at a time in registers, then a tail
+/// of 56): cached decoding of the baseline and DIFF V2, through the kernel on Flex, gives the
+/// whole sequence's logits.
+#[test]
+fn cached_decoding_with_heads_wider_than_the_kernels_columns() {
+    let steps = [7, 1, 1, 3, 1, 1];
+    let seq: usize = steps.iter().sum();
+    let device = device();
+    for attention in [AttentionKind::Transformer, AttentionKind::DiffV2] {
+        device.seed(3);
+        let model = ModelConfig::new(attention, 240, 2, 2, 61, 32)
+            .with_kv_heads(Some(1))
+            .init(&device);
+        let input = tokens(2, seq, 61, 2, &device);
+        let whole = model.forward(input.clone());
+        let mut cache = model.cache();
+        let mut start = 0;
+        for step in steps {
+            let got = model.forward_cached(input.clone().narrow(1, start, step), &mut cache);
+            let want = whole.clone().narrow(1, start, step);
+            assert_close(&format!("{attention} at {start}"), got, want, 1e-5, 1e-5);
+            start += step;
+        }
+    }
+}
+
 #[test]
 fn a_truncated_cache_continues_as_if_it_held_only_the_kept_positions() {
     // 12 positions cached, cut back to 5, then 6 other tokens: the logits of the sequence whose

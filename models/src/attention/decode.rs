@@ -353,15 +353,35 @@ mod flex {
                 .zip(&max)
                 .map(|(p, &max)| exp_shifted(p, max))
                 .collect();
-            for j in 0..keys {
-                let value = (self.value)(j);
-                for (r, o) in outs.iter_mut().enumerate() {
-                    let w = p[r * keys + j] / sum[r];
-                    for (o, v) in o.iter_mut().zip(value) {
-                        *o += w * v.widen();
+            // Σ_j p_j·v_j per query, 64 columns at a time summed in registers over every key
+            // (an output row updated in memory per key waits on its own last store), then / sum.
+            for ((o, p), sum) in outs.iter_mut().zip(p.chunks_exact(keys)).zip(&sum) {
+                let start = o.len() - o.len() % COLUMNS;
+                let mut columns = o.chunks_exact_mut(COLUMNS);
+                for (c, o) in (&mut columns).enumerate() {
+                    let mut acc = [0.0f32; COLUMNS];
+                    for (j, &w) in p.iter().enumerate() {
+                        let v: &[E; COLUMNS] = (self.value)(j)[c * COLUMNS..][..COLUMNS]
+                            .try_into()
+                            .expect("COLUMNS elements");
+                        for i in 0..COLUMNS {
+                            acc[i] += w * v[i].widen();
+                        }
+                    }
+                    for (o, acc) in o.iter_mut().zip(acc) {
+                        *o += acc / sum;
+                    }
+                }
+                let tail = columns.into_remainder();
+                for (j, &w) in p.iter().enumerate() {
+                    for (o, v) in tail.iter_mut().zip(&(self.value)(j)[start..]) {
+                        *o += w / sum * v.widen();
                     }
                 }
             }
         }
     }
+
+    /// Output columns summed in registers at a time (four AVX-512 vectors).
+    const COLUMNS: usize = 64;
 }
