@@ -10,6 +10,9 @@
 //!     (row i of the S query positions, i' = i + T − S among the T keys; c = 1/√d)
 //! Differential(x₁, x₂; λ) = CausalSoftmax(x₁) − λ·CausalSoftmax(x₂)
 //!     (x₁, x₂ the scores of half-heads 2h and 2h+1: DIFF's A₁ − λA₂)
+//! PairDifference(x₁, x₂; λ) = x₁ − λ·x₂
+//!     (rows of half-heads 2h and 2h+1 at one position: DIFF V2's o₂ₕ − λₜ,ₕ·o₂ₕ₊₁, λ per
+//!     token and head; DIFF's maps or outputs with one λ)
 //! ```
 //!
 //! with their gradients (d: the incoming gradient, r = 1/√(mean(x²) + ε) per row of D):
@@ -21,6 +24,7 @@
 //! CausalSoftmax:  ∂x = c·y⊙(d − ⟨d, y⟩)          (per row; y the output, 0 where masked)
 //! Differential:   ∂x₁ = c·y₁⊙(d − ⟨d, y₁⟩),   ∂x₂ = −λ·c·y₂⊙(d − ⟨d, y₂⟩),   ∂λ = −Σ_rows ⟨d, y₂⟩
 //!     (y₁, y₂ the two causal softmax maps, kept from the forward pass)
+//! PairDifference: ∂x₁ = d,   ∂x₂ = −λ·d,   ∂λ = −⟨d, x₂⟩   (summed where λ is broadcast)
 //! ```
 //!
 //! and AdamW as [`adamw`] states it. Burn's ops spend a dozen passes (and as many tensors) on each,
@@ -158,7 +162,7 @@ pub fn causal_softmax_plain<const D: usize>(
 
 /// DIFF attention's differential map `A₁ − λ·A₂` ([`Differential`] of the module's equations)
 /// from the scores `[B, 2H, R, T]` of half-head pairs (2h, 2h+1), as `[B, H, R, T]`; each map is
-/// [`causal_softmax`]'s of its scores with `positions` and `scale`, `lambda` a `[1, 1, 1, 1]`
+/// [`causal_softmax`]'s of its scores with `positions` and `scale`, `lambda` a `[1, 1, 1]`
 /// tensor. In one pass per pair of rows where Flex takes it (the maps kept for the backward).
 ///
 /// [`Differential`]: self
@@ -166,7 +170,7 @@ pub fn differential_softmax(
     scores: Tensor<4>,
     positions: usize,
     scale: f64,
-    lambda: Tensor<4>,
+    lambda: Tensor<3>,
 ) -> Tensor<4> {
     <burn::backend::Dispatch as FusedOps>::differential_softmax(
         scores.clone().into_dispatch(),
@@ -183,18 +187,32 @@ pub fn differential_softmax_plain(
     scores: Tensor<4>,
     positions: usize,
     scale: f64,
-    lambda: Tensor<4>,
+    lambda: Tensor<3>,
 ) -> Tensor<4> {
     pair_difference(causal_softmax_plain(scores, positions, scale), lambda)
 }
 
-/// Half-head pairs `[B, 2H, S, n]` into `x_{2h} − λ·x_{2h+1}`, `[B, H, S, n]` (`lambda`
-/// broadcast to that).
-pub fn pair_difference(pairs: Tensor<4>, lambda: Tensor<4>) -> Tensor<4> {
+/// Half-head pairs `[B, 2H, S, n]` into `x_{2h} − λ_{b,s,h}·x_{2h+1}` ([`PairDifference`] of the
+/// module's equations), `[B, H, S, n]`; `lambda` `[B, S, H]`, each dimension of it also 1
+/// (broadcast: `[1, 1, 1]` for one λ). In one pass where Flex takes it.
+///
+/// [`PairDifference`]: self
+pub fn pair_difference(pairs: Tensor<4>, lambda: Tensor<3>) -> Tensor<4> {
+    <burn::backend::Dispatch as FusedOps>::pair_difference(
+        pairs.clone().into_dispatch(),
+        lambda.clone().into_dispatch(),
+    )
+    .map(Tensor::from_dispatch)
+    .unwrap_or_else(|| pair_difference_plain(pairs, lambda))
+}
+
+/// [`pair_difference`] by Burn's operations.
+pub fn pair_difference_plain(pairs: Tensor<4>, lambda: Tensor<3>) -> Tensor<4> {
     let [b, h2, s, n] = pairs.dims();
     let pairs = pairs.reshape([b, h2 / 2, 2, s, n]);
     let [first, second] = [0, 1].map(|c| pairs.clone().narrow(2, c, 1).squeeze_dim::<4>(2));
-    first - second * lambda
+    // λ [B, S, H] → [B, H, S, 1].
+    first - second * lambda.swap_dims(1, 2).unsqueeze_dim::<4>(3)
 }
 
 /// AdamW's numbers for one step t of one parameter: β₁, β₂, ε, the bias corrections
@@ -382,6 +400,25 @@ pub trait FusedOps: Backend {
         differential_softmax_backward_plain::<Self>(y, lambda, grad, scale)
     }
 
+    /// [`pair_difference`] of `pairs` `[B, 2H, S, n]` with `lambda` `[B, S, H]` (or 1 in any of
+    /// its dimensions); `None`: not taken.
+    fn pair_difference(
+        _pairs: FloatTensor<Self>,
+        _lambda: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        None
+    }
+
+    /// The gradients `(∂pairs, ∂λ)` of [`FusedOps::pair_difference`] from its inputs and the
+    /// output's `grad` `[B, H, S, n]` (the module's equations; called only where it was taken).
+    fn pair_difference_backward(
+        pairs: FloatTensor<Self>,
+        lambda: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        pair_difference_backward_plain::<Self>(pairs, lambda, grad)
+    }
+
     /// RoPE of `x` `[B, S, heads·d]` by `table` `[S, d, 2]` (cos, sin), as `[B, S, heads·d]`;
     /// `None`: not taken.
     fn rotary(
@@ -477,6 +514,22 @@ impl FusedOps for burn::backend::Flex {
         lambda: FloatTensor<Self>,
     ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
         flex::differential_softmax(&scores, positions, scale as f32, &lambda)
+    }
+
+    fn pair_difference(
+        pairs: FloatTensor<Self>,
+        lambda: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        flex::pair_difference(&pairs, &lambda)
+    }
+
+    fn pair_difference_backward(
+        pairs: FloatTensor<Self>,
+        lambda: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        flex::pair_difference_backward(&pairs, &lambda, &grad)
+            .unwrap_or_else(|| pair_difference_backward_plain::<Self>(pairs, lambda, grad))
     }
 
     fn differential_softmax_backward(
@@ -602,6 +655,25 @@ impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
             match backward.prepare::<C>(guards).compute_bound().stateful() {
                 OpsKind::Tracked(prep) => prep.finish((maps, lambda), map),
                 OpsKind::UnTracked(prep) => prep.finish(map),
+            },
+        )
+    }
+
+    fn pair_difference(
+        pairs: FloatTensor<Self>,
+        lambda: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        let guards = [pairs.node(), lambda.node()];
+        let [pairs, lambda] = [pairs, lambda].map(|t| t.into_primitive());
+        let out = B::pair_difference(pairs.clone(), lambda.clone())?;
+        Some(
+            match PairDifferenceBackward
+                .prepare::<C>(guards)
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish((pairs, lambda), out),
+                OpsKind::UnTracked(prep) => prep.finish(out),
             },
         )
     }
@@ -745,6 +817,65 @@ fn differential_softmax_backward_plain<B: Backend>(
         B::float_reshape(d_scores, shape),
         B::float_reshape(d_lambda, lambda_shape),
     )
+}
+
+#[derive(Debug)]
+struct PairDifferenceBackward;
+
+impl<B: Backend + FusedOps> Backward<B, 2> for PairDifferenceBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (pairs, lambda) = ops.state;
+        let grad = grads.consume::<B>(&ops.node);
+        let (d_pairs, d_lambda) = B::pair_difference_backward(pairs, lambda, grad);
+        register::<B, 2>(
+            grads,
+            ops.parents.map(|p| p.map(|node| node.id)),
+            [d_pairs, d_lambda],
+        );
+    }
+}
+
+/// [`FusedOps::pair_difference_backward`] by Burn's operations: `d` and `−λ·d` for the pairs,
+/// `−⟨d, x₂⟩` for λ, summed over the dimensions λ is broadcast along.
+fn pair_difference_backward_plain<B: Backend>(
+    pairs: FloatTensor<B>,
+    lambda: FloatTensor<B>,
+    grad: FloatTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let shape = pairs.shape();
+    let [b, h2, s, n] = shape.dims();
+    let lambda_shape = lambda.shape();
+    let [lb, ls, lh] = lambda_shape.dims();
+    let (device, dtype) = (pairs.device(), pairs.dtype());
+    let pairs = B::float_reshape(pairs, Shape::new([b, h2 / 2, 2, s, n]));
+    let grad = B::float_reshape(grad, Shape::new([b, h2 / 2, 1, s, n]));
+    // λ [B, S, H] → [B, H, 1, S, 1]; per half of a pair its factor, 1 and −λ.
+    let lambda = B::float_reshape(
+        B::float_swap_dims(lambda, 1, 2),
+        Shape::new([lb, lh, 1, ls, 1]),
+    );
+    let factors = B::float_cat(
+        vec![
+            B::float_ones(Shape::new([lb, lh, 1, ls, 1]), &device, dtype.into()),
+            B::float_neg(lambda),
+        ],
+        2,
+    );
+    let d_pairs = B::float_reshape(B::float_mul(grad.clone(), factors), shape);
+    let slices = [0..b, 0..h2 / 2, 1..2, 0..s, 0..n].map(Slice::from);
+    let second = B::float_slice(pairs, &slices);
+    let inner = B::float_sum_dim(B::float_mul(grad, second), 4);
+    let inner = B::float_swap_dims(B::float_reshape(inner, Shape::new([b, h2 / 2, s])), 1, 2);
+    // Summed over λ's broadcast dimensions: [B, S, H] → λ's shape.
+    let summed = [(0, lb), (1, ls), (2, lh)]
+        .into_iter()
+        .fold(inner, |t, (dim, size)| match size {
+            1 => B::float_sum_dim(t, dim),
+            _ => t,
+        });
+    (d_pairs, B::float_neg(summed))
 }
 
 /// [`FusedOps::causal_softmax_backward`] by Burn's operations.
@@ -1192,6 +1323,93 @@ pub(crate) mod flex {
                 softmax_row_backward(d_x, y, d, scale);
             });
         Some(like(d_x, y))
+    }
+
+    /// Where λ `[B, S, H]` (each dimension also 1) is read for pair h of sequence b at
+    /// position s: its strides, 0 along broadcast dimensions.
+    fn lambda_strides(lambda: &FloatTensor<Flex>, [b, s, h]: [usize; 3]) -> Option<[usize; 3]> {
+        let &[lb, ls, lh] = &lambda.shape()[..] else {
+            return None;
+        };
+        let fits = |size, full| size == 1 || size == full;
+        let along = |size: usize, stride| if size == 1 { 0 } else { stride };
+        (fits(lb, b) && fits(ls, s) && fits(lh, h))
+            .then(|| [along(lb, ls * lh), along(ls, lh), along(lh, 1)])
+    }
+
+    /// [`super::pair_difference`] over rayon's threads, a pair (b, h) per task.
+    pub(super) fn pair_difference(
+        pairs: &FloatTensor<Flex>,
+        lambda: &FloatTensor<Flex>,
+    ) -> Option<FloatTensor<Flex>> {
+        let (xs, ls) = (elements(pairs)?, elements(lambda)?);
+        let [b, h, s, n] = pairs_map(pairs)?;
+        let [sb, ss, sh] = lambda_strides(lambda, [b, s, h])?;
+        let map = s * n;
+        let mut out = vec![0.0f32; xs.len() / 2];
+        out.par_chunks_mut(map)
+            .zip(xs.par_chunks(2 * map))
+            .enumerate()
+            .for_each(|(pair, (out, xs))| {
+                let (x_1, x_2) = xs.split_at(map);
+                let rows = out
+                    .chunks_exact_mut(n)
+                    .zip(x_1.chunks_exact(n).zip(x_2.chunks_exact(n)));
+                for (t, (out, (x_1, x_2))) in rows.enumerate() {
+                    let lambda = ls[pair / h * sb + t * ss + pair % h * sh];
+                    for ((out, a), c) in out.iter_mut().zip(x_1).zip(x_2) {
+                        *out = a - lambda * c;
+                    }
+                }
+            });
+        Some(Flex::float_from_data(
+            TensorData::new(out, [b, h, s, n]),
+            &pairs.device(),
+        ))
+    }
+
+    /// [`super::FusedOps::pair_difference_backward`]: ∂pairs in one pass over rayon's threads,
+    /// each row's ⟨d, x₂⟩ kept, then added into ∂λ in order (the same sums on every run).
+    pub(super) fn pair_difference_backward(
+        pairs: &FloatTensor<Flex>,
+        lambda: &FloatTensor<Flex>,
+        grad: &FloatTensor<Flex>,
+    ) -> Option<(FloatTensor<Flex>, FloatTensor<Flex>)> {
+        let (xs, ls, ds) = (elements(pairs)?, elements(lambda)?, elements(grad)?);
+        let half @ [b, h, s, n] = pairs_map(pairs)?;
+        if grad.shape()[..] != half {
+            return None;
+        }
+        let [sb, ss, sh] = lambda_strides(lambda, [b, s, h])?;
+        let map = s * n;
+        let mut d_x = vec![0.0f32; xs.len()];
+        let mut inner = vec![0.0f32; b * h * s];
+        d_x.par_chunks_mut(2 * map)
+            .zip(inner.par_chunks_mut(s))
+            .zip(xs.par_chunks(2 * map).zip(ds.par_chunks(map)))
+            .enumerate()
+            .for_each(|(pair, ((d_x, inner), (xs, ds)))| {
+                let (d_x_1, d_x_2) = d_x.split_at_mut(map);
+                let x_2 = &xs[map..];
+                d_x_1.copy_from_slice(ds);
+                let rows = d_x_2.chunks_exact_mut(n).zip(x_2.chunks_exact(n));
+                for (t, ((d_x_2, x_2), (inner, d))) in rows
+                    .zip(inner.iter_mut().zip(ds.chunks_exact(n)))
+                    .enumerate()
+                {
+                    let lambda = ls[pair / h * sb + t * ss + pair % h * sh];
+                    for (out, d) in d_x_2.iter_mut().zip(d) {
+                        *out = -lambda * d;
+                    }
+                    *inner = dot(d, x_2);
+                }
+            });
+        let mut d_lambda = vec![0.0f32; ls.len()];
+        for (row, inner) in inner.iter().enumerate() {
+            let (pair, t) = (row / s, row % s);
+            d_lambda[pair / h * sb + t * ss + pair % h * sh] -= inner;
+        }
+        Some((like(d_x, pairs), like(d_lambda, lambda)))
     }
 
     pub(super) fn swiglu_backward(

@@ -374,7 +374,7 @@ fn flex_takes_the_fused_operations_under_autodiff() {
     let scores = random([2, 4, 8, 8], &device).require_grad();
     let softmax = <Dispatch as FusedOps>::causal_softmax(scores.clone().into_dispatch(), 8, 0.5);
     assert!(softmax.is_some(), "the causal softmax");
-    let lambda = Tensor::<4>::full([1, 1, 1, 1], 0.8, &device).require_grad();
+    let lambda = Tensor::<3>::full([1, 1, 1], 0.8, &device).require_grad();
     let differential = <Dispatch as FusedOps>::differential_softmax(
         scores.into_dispatch(),
         8,
@@ -382,6 +382,11 @@ fn flex_takes_the_fused_operations_under_autodiff() {
         lambda.into_dispatch(),
     );
     assert!(differential.is_some(), "the differential map");
+    let pairs = random([2, 4, 3, 5], &device).require_grad();
+    let lambda = random([2, 3, 2], &device).require_grad();
+    let difference =
+        <Dispatch as FusedOps>::pair_difference(pairs.into_dispatch(), lambda.into_dispatch());
+    assert!(difference.is_some(), "the pair difference");
 }
 
 /// Causal maps: queries as the last positions of more keys (a cache before them), GQA groups
@@ -507,7 +512,7 @@ fn differential_softmax_equals_burns_maps_subtracted() {
     for (backend, device) in backends() {
         for (shape, positions, scale, lambda) in DIFFERENTIAL {
             let scores = random(shape, &device) * 3.0;
-            let lambda = Tensor::<4>::full([1, 1, 1, 1], lambda, &device);
+            let lambda = Tensor::<3>::full([1, 1, 1], lambda, &device);
             let what = format!("{backend}: {shape:?} over {positions}");
             let ours =
                 fused::differential_softmax(scores.clone(), positions, scale, lambda.clone());
@@ -517,7 +522,13 @@ fn differential_softmax_equals_burns_maps_subtracted() {
             let pairs = maps.reshape([b, h2 / 2, 2, r, t]);
             let [a_1, a_2] =
                 [0, 1].map(|c| pairs.clone().narrow(2, c, 1).reshape([b, h2 / 2, r, t]));
-            assert_close(&what, ours.clone(), a_1 - a_2 * lambda.clone(), 1e-6, 1e-5);
+            assert_close(
+                &what,
+                ours.clone(),
+                a_1 - a_2 * lambda.clone().unsqueeze::<4>(),
+                1e-6,
+                1e-5,
+            );
             assert_close(
                 &format!("{what}, plain"),
                 ours,
@@ -548,7 +559,7 @@ fn differential_softmax_gradients_are_burns_under_autodiff() {
         let device = device.autodiff();
         for (shape, positions, scale, lambda) in DIFFERENTIAL {
             let scores = (random(shape, &device) * 3.0).require_grad();
-            let lambda = Tensor::<4>::full([1, 1, 1, 1], lambda, &device).require_grad();
+            let lambda = Tensor::<3>::full([1, 1, 1], lambda, &device).require_grad();
             let [b, h2, r, t] = shape;
             let weights = random([b, h2 / 2, r, t], &device);
             let grads = |map: Tensor<4>| (map * weights.clone()).sum().backward();
@@ -589,19 +600,22 @@ fn burns_operations_give_flexs_differential_softmax_backward() {
     let ([b, h2, r, t], scale) = ([2, 4, 9, 11], 0.25);
     let y = fused::causal_softmax(random([b, h2, r, t], &flex), r, scale);
     let grad = random([b, h2 / 2, r, t], &flex);
-    let lambda = Tensor::<4>::full([1, 1, 1, 1], 0.7, &flex);
-    let backward = |y: Tensor<4>, grad: Tensor<4>, lambda: Tensor<4>| {
+    let lambda = Tensor::<3>::full([1, 1, 1], 0.7, &flex);
+    let backward = |y: Tensor<4>, grad: Tensor<4>, lambda: Tensor<3>| {
         let (d_scores, d_lambda) = <Dispatch as FusedOps>::differential_softmax_backward(
             y.into_dispatch(),
             lambda.into_dispatch(),
             grad.into_dispatch(),
             scale,
         );
-        [d_scores, d_lambda].map(|t| Tensor::<4>::from_dispatch(t).to_device(&flex))
+        (
+            Tensor::<4>::from_dispatch(d_scores).to_device(&flex),
+            Tensor::<3>::from_dispatch(d_lambda).to_device(&flex),
+        )
     };
-    let [d_scores, d_lambda] = backward(y.clone(), grad.clone(), lambda.clone());
+    let (d_scores, d_lambda) = backward(y.clone(), grad.clone(), lambda.clone());
     // A strided gradient takes Burn's operations on Flex.
-    let [strided_scores, strided_lambda] =
+    let (strided_scores, strided_lambda) =
         backward(y.clone(), strided(grad.clone()), lambda.clone());
     assert_close(
         "flex strided: ∂scores",
@@ -619,7 +633,8 @@ fn burns_operations_give_flexs_differential_softmax_backward() {
     );
     for (backend, device) in backends() {
         let on = |t: &Tensor<4>| t.clone().to_device(&device);
-        let [theirs_scores, theirs_lambda] = backward(on(&y), on(&grad), on(&lambda));
+        let (theirs_scores, theirs_lambda) =
+            backward(on(&y), on(&grad), lambda.clone().to_device(&device));
         assert_close(
             &format!("{backend}: ∂scores"),
             theirs_scores,
@@ -634,5 +649,137 @@ fn burns_operations_give_flexs_differential_softmax_backward() {
             1e-5,
             1e-5,
         );
+    }
+}
+
+/// Pairs `[B, 2H, S, n]` and the shapes of λ: V2's per token and head, one λ (DIFF), one per
+/// position, one per sequence and head; rows shorter and longer than sixteen lanes.
+const PAIRS: [([usize; 4], [usize; 3]); 4] = [
+    ([2, 6, 5, 7], [2, 5, 3]),
+    ([1, 4, 9, 40], [1, 1, 1]),
+    ([3, 2, 4, 16], [1, 4, 1]),
+    ([2, 4, 1, 33], [2, 1, 2]),
+];
+
+#[test]
+fn pair_difference_equals_burns_first_minus_lambda_times_second() {
+    for (backend, device) in backends() {
+        for (shape, lambda_shape) in PAIRS {
+            let pairs = random(shape, &device);
+            let lambda = random(lambda_shape, &device);
+            let what = format!("{backend}: {shape:?} with λ {lambda_shape:?}");
+            let ours = fused::pair_difference(pairs.clone(), lambda.clone());
+            // Element by element: x_{2h} − λ_{b,s,h}·x_{2h+1}.
+            let [b, h2, s, n] = shape;
+            let [first, second] = [0, 1].map(|c| {
+                pairs
+                    .clone()
+                    .reshape([b, h2 / 2, 2, s, n])
+                    .narrow(2, c, 1)
+                    .reshape([b, h2 / 2, s, n])
+            });
+            let lambda_4 = lambda.clone().swap_dims(1, 2).unsqueeze_dim::<4>(3);
+            assert_close(&what, ours.clone(), first - second * lambda_4, 1e-6, 1e-6);
+            assert_close(
+                &format!("{what}, strided"),
+                fused::pair_difference(strided(pairs.clone()), lambda.clone()),
+                fused::pair_difference_plain(pairs, lambda),
+                1e-6,
+                1e-6,
+            );
+        }
+    }
+}
+
+#[test]
+fn pair_difference_gradients_are_burns_under_autodiff() {
+    for (backend, device) in backends() {
+        let device = device.autodiff();
+        for (shape, lambda_shape) in PAIRS {
+            let pairs = random(shape, &device).require_grad();
+            let lambda = random(lambda_shape, &device).require_grad();
+            let [b, h2, s, n] = shape;
+            let weights = random([b, h2 / 2, s, n], &device);
+            let grads = |out: Tensor<4>| (out * weights.clone()).sum().backward();
+            let ours = grads(fused::pair_difference(pairs.clone(), lambda.clone()));
+            let theirs = grads(fused::pair_difference_plain(pairs.clone(), lambda.clone()));
+            let what = format!("{backend}: {shape:?} with λ {lambda_shape:?}");
+            assert_close(
+                &format!("{what}, ∂pairs"),
+                pairs.grad(&ours).unwrap(),
+                pairs.grad(&theirs).unwrap(),
+                1e-5,
+                1e-5,
+            );
+            assert_close(
+                &format!("{what}, ∂λ"),
+                lambda.grad(&ours).unwrap(),
+                lambda.grad(&theirs).unwrap(),
+                1e-4,
+                1e-5,
+            );
+        }
+    }
+}
+
+#[test]
+fn burns_operations_give_flexs_pair_difference_backward() {
+    let flex = Device::flex();
+    for (shape, lambda_shape) in PAIRS {
+        let pairs = random(shape, &flex);
+        let lambda = random(lambda_shape, &flex);
+        let [b, h2, s, n] = shape;
+        let grad = random([b, h2 / 2, s, n], &flex);
+        let backward = |pairs: Tensor<4>, lambda: Tensor<3>, grad: Tensor<4>| {
+            let (d_pairs, d_lambda) = <Dispatch as FusedOps>::pair_difference_backward(
+                pairs.into_dispatch(),
+                lambda.into_dispatch(),
+                grad.into_dispatch(),
+            );
+            (
+                Tensor::<4>::from_dispatch(d_pairs).to_device(&flex),
+                Tensor::<3>::from_dispatch(d_lambda).to_device(&flex),
+            )
+        };
+        let (d_pairs, d_lambda) = backward(pairs.clone(), lambda.clone(), grad.clone());
+        let what = format!("{shape:?} with λ {lambda_shape:?}");
+        // A strided gradient takes Burn's operations on Flex.
+        let (plain_pairs, plain_lambda) =
+            backward(pairs.clone(), lambda.clone(), strided(grad.clone()));
+        assert_close(
+            &format!("flex strided {what}: ∂pairs"),
+            plain_pairs,
+            d_pairs.clone(),
+            1e-6,
+            1e-6,
+        );
+        assert_close(
+            &format!("flex strided {what}: ∂λ"),
+            plain_lambda,
+            d_lambda.clone(),
+            1e-4,
+            1e-5,
+        );
+        for (backend, device) in backends() {
+            let (theirs_pairs, theirs_lambda) = backward(
+                pairs.clone().to_device(&device),
+                lambda.clone().to_device(&device),
+                grad.clone().to_device(&device),
+            );
+            assert_close(
+                &format!("{backend} {what}: ∂pairs"),
+                theirs_pairs,
+                d_pairs.clone(),
+                1e-6,
+                1e-6,
+            );
+            assert_close(
+                &format!("{backend} {what}: ∂λ"),
+                theirs_lambda,
+                d_lambda.clone(),
+                1e-4,
+                1e-5,
+            );
+        }
     }
 }

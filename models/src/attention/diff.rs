@@ -143,12 +143,13 @@ impl DiffAttention {
         rows::linear(&self.o_proj, merge_heads(heads))
     }
 
-    /// `lambda_scale·λ` as a `[1, 1, 1, 1]` tensor in `dtype`, ready to broadcast.
-    fn lambda_as(&self, dtype: DType) -> Tensor<4> {
+    /// `lambda_scale·λ` as a `[1, 1, 1]` tensor in `dtype`, the λ of every token and head
+    /// ([`fused::pair_difference`]).
+    fn lambda_as(&self, dtype: DType) -> Tensor<3> {
         self.lambda()
             .mul_scalar(self.lambda_scale)
             .cast(dtype)
-            .reshape([1, 1, 1, 1])
+            .reshape([1, 1, 1])
     }
 
     /// `x` `[B, S, d_model]` → `[B, S, d_model]`, after the positions in `cache` when there is one.
@@ -169,11 +170,14 @@ impl DiffAttention {
         let heads = if explicit {
             let bits = self.logit_bits;
             match mask {
+                // The profile's replays take tensors of one rank: λ as [1, 1, 1, 1] there.
                 None => profile::op(
                     Class::Attention,
                     "diff explicit",
-                    [q, k, v, lambda],
-                    move |[q, k, v, lambda]| explicit_heads(q, k, v, lambda, bits, None),
+                    [q, k, v, lambda.unsqueeze()],
+                    move |[q, k, v, lambda]| {
+                        explicit_heads(q, k, v, lambda.reshape([1, 1, 1]), bits, None)
+                    },
                 ),
                 Some(mask) => profile::time(Class::Attention, || {
                     explicit_heads(q, k, v, lambda, bits, Some(mask))
@@ -208,13 +212,13 @@ impl DiffAttention {
     }
 }
 
-/// `(A₁ − λ·A₂)·v` from the half-heads' explicit maps (`lambda` `[1, 1, 1, 1]`), the
+/// `(A₁ − λ·A₂)·v` from the half-heads' explicit maps (`lambda` `[1, 1, 1]`), the
 /// differential map in one pass ([`fused::differential_softmax`]) without quantisation or a mask.
 fn explicit_heads(
     q: Tensor<4>,
     k: Tensor<4>,
     v: Tensor<4>,
-    lambda: Tensor<4>,
+    lambda: Tensor<3>,
     bits: u32,
     mask: Option<Tensor<4, Bool>>,
 ) -> Tensor<4> {

@@ -25,6 +25,7 @@ use super::{
 };
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig};
+use crate::fused;
 use crate::rows;
 use burn::module::Module;
 use burn::nn::{Linear, RotaryEncoding};
@@ -87,19 +88,11 @@ impl DiffV2Attention {
         step_qkv(x, projections, heads, rope, cache)
     }
 
-    /// Pairs `[B, 2H, S, n]` into `x_{2h} − lambda_scale·λ_{t,h}·x_{2h+1}`, `[B, H, S, n]`.
+    /// Pairs `[B, 2H, S, n]` into `x_{2h} − lambda_scale·λ_{t,h}·x_{2h+1}`, `[B, H, S, n]`
+    /// ([`fused::pair_difference`], λ in the activations' dtype).
     fn differentiate(&self, x: Tensor<4>, lambda: Tensor<3>) -> Tensor<4> {
-        let [b, _, s, n] = x.dims();
-        let pairs = x.reshape([b, self.heads, 2, s, n]);
-        let first = pairs.clone().narrow(2, 0, 1).squeeze_dim::<4>(2);
-        let second = pairs.narrow(2, 1, 1).squeeze_dim::<4>(2);
-        // λ [B, S, H] → [B, H, S, 1], in the activations' dtype.
-        let lambda = lambda
-            .mul_scalar(self.lambda_scale)
-            .cast(first.dtype())
-            .swap_dims(1, 2)
-            .unsqueeze_dim::<4>(3);
-        first - second * lambda
+        let lambda = lambda.mul_scalar(self.lambda_scale).cast(x.dtype());
+        fused::pair_difference(x, lambda)
     }
 
     /// `x` `[B, S, d_model]` → `[B, S, d_model]`, after the positions in `cache` when there is
