@@ -489,8 +489,10 @@ pub fn load_weights(
     // initial values to read their dtype (a second at a 135M model's shape). Parameters in
     // another float dtype than the device's (a bf16 run's model into an f32 device) are cast
     // after; on an autodiff device, where a cast would be a step of the graph, by reading the
-    // record again with Burn's cast.
-    let model = read_weights(path, &weights, config, device, false)?;
+    // record again with Burn's cast, and so on a device without bf16 (NdArray), which cannot
+    // hold a bf16 run's weights as recorded.
+    let as_recorded = device.supports_dtype(burn::tensor::FloatDType::BF16);
+    let model = read_weights(path, &weights, config, device, !as_recorded)?;
     let float = device.settings().float_dtype;
     let model = match floats_all_in(&model, float.into()) {
         true => model,
