@@ -2,8 +2,9 @@
 # Generation at a real model's shape: a random Llama of SmolLM2-135M's shape
 # (bench/smollm2_shape.py, saved by transformers), imported twice (`diffzoo import hf`, f32 and
 # `--dtype bf16`), decoded greedily by `diffzoo generate --temperature 0 --ignore-eot --warmup 1
-# --json` with f32 and bf16 weights (median of 3 runs each) beside transformers' `generate` on
-# the same weights (bench/generate_hf.py, f32), for a short and a long prompt, in one run.
+# --json` with f32 weights and cache, and bf16 weights and cache (`--cache-dtype bf16`; median of
+# 3 runs each) beside transformers' `generate` on the same weights (bench/generate_hf.py, f32),
+# for a short and a long prompt, in one run.
 # One JSON line per prompt and weight dtype in target/bench-generate-135m.jsonl, with
 # diffzoo / transformers ratios and whether the greedy tokens are transformers'.
 #   bash bench/generate_135m.sh [NEW_TOKENS] [LONG_PROMPT_REPEATS]
@@ -44,7 +45,7 @@ for name in short long; do
     for dtype in f32 bf16; do
         for _ in $(seq "$reps"); do
             "$diffzoo" generate --run "$work/$dtype" --prompt "$prompt" --max-tokens "$new_tokens" \
-                --temperature 0 --ignore-eot --warmup 1 --dtype "$dtype" --json
+                --temperature 0 --ignore-eot --warmup 1 --dtype "$dtype" --cache-dtype "$dtype" --json
         done | jq -s '{
             prompt_tokens: .[0].timings.prompt_tokens,
             tokens: .[0].generations[0].tokens,

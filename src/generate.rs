@@ -27,7 +27,7 @@ use crate::run;
 use crate::run::WeightDtype;
 use anyhow::{Result, anyhow, bail};
 use burn::tensor::Device;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use diffzoo_datasets::{Rng, TextTokenizer};
 use diffzoo_models::{KvCache, Model};
 use serde::Serialize;
@@ -91,13 +91,56 @@ pub struct GenerateArgs {
     pub device: String,
     /// The dtype the weight matrices are kept in while computing in f32 (default: bf16 for a run
     /// whose weights are stored in bf16, on the CPU backend; else f32). bf16 halves the bytes
-    /// each decoded token reads; the baseline and DIFF V2 keep their KV cache in bf16 too.
+    /// each decoded token reads.
     #[arg(long, value_enum)]
     pub dtype: Option<WeightDtype>,
+    /// The dtype the KV cache keeps keys and values in. bf16 halves the bytes a decoding step
+    /// reads from it (at 1,619 positions of a 135M model 75 MB in f32), each rounded to 8 bits of
+    /// mantissa as it is written (the prompt attends to its own unrounded); the CPU's Flex
+    /// backend reads it in place, for the baseline and DIFF V2 (DIFF V1's maps would widen it
+    /// at every step: refused).
+    #[arg(long, value_enum, default_value = "f32")]
+    pub cache_dtype: CacheDtype,
     /// Print one JSON object (each prompt's tokens, text and ending; the timings) instead of the
     /// text.
     #[arg(long)]
     pub json: bool,
+}
+
+/// The dtype of the KV cache's keys and values (`--cache-dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheDtype {
+    F32,
+    Bf16,
+}
+
+impl CacheDtype {
+    /// An error naming the device where `device` would not read a bf16 cache in place (checked
+    /// before the model loads).
+    fn check_device(self, device: &str) -> Result<()> {
+        if self == Self::Bf16 && !crate::device::is_flex(device) {
+            bail!(
+                "--cache-dtype bf16: device `{device}` would widen the cache at every step (only \
+                 the CPU's Flex backend reads it in place); use --device cpu, or --cache-dtype f32"
+            );
+        }
+        Ok(())
+    }
+
+    /// The dtype [`KvCache::in_dtype`] takes (`None`: the activations'), or an error naming why
+    /// `model` would not read a bf16 cache in place.
+    fn resolve(self, model: &Model) -> Result<Option<FloatDType>> {
+        match self {
+            Self::F32 => Ok(None),
+            Self::Bf16 if !model.reads_cache_in_place() => bail!(
+                "--cache-dtype bf16: this model's attention (DIFF V1's two maps, or logits \
+                 quantised for analysis) would widen the cache at every step; the baseline and \
+                 DIFF V2 read it in place. Use --cache-dtype f32"
+            ),
+            Self::Bf16 => Ok(Some(FloatDType::BF16)),
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -105,6 +148,8 @@ struct Output {
     weights: String,
     /// The dtype the weight matrices were kept in.
     dtype: WeightDtype,
+    /// The dtype of the KV cache.
+    cache_dtype: CacheDtype,
     generations: Vec<Generation>,
     timings: Timings,
 }
@@ -158,6 +203,7 @@ struct Row {
 
 pub fn run(args: &GenerateArgs) -> Result<()> {
     check_sampling(args)?;
+    args.cache_dtype.check_device(&args.device)?;
     let recipe = run::run_recipe(&args.run)?;
     let tokenizer = run::run_tokenizer(&args.run)?;
     let ends = Ends::of(&args.run, &tokenizer)?;
@@ -213,17 +259,25 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     }
     let (model, weights, device, dtype) =
         run::load_model_on(&args.run, &recipe, &args.device, args.dtype)?;
+    let cache_dtype = args.cache_dtype.resolve(&model)?;
     let stream_one = !args.json && rows.len() == 1;
     if stream_one {
         eprintln!("({weights}; weights in {dtype})");
         print!("{}", texts[0]);
     }
     for _ in 0..args.warmup {
-        Decoder::prefill(&model, &device, &[rows[0].prompt.as_slice()], eot)?;
+        Decoder::prefill(
+            &model,
+            &device,
+            cache_dtype,
+            &[rows[0].prompt.as_slice()],
+            eot,
+        )?;
     }
     let (mut prefill_seconds, mut decode_seconds, mut decode_tokens) = (0.0, 0.0, 0);
     for batch in rows.chunks_mut(args.batch_size) {
-        let timed = generate_batch(args, &model, &device, &tokenizer, &ends, batch, stream_one)?;
+        let decoding = (&model, &device, cache_dtype);
+        let timed = generate_batch(args, decoding, &tokenizer, &ends, batch, stream_one)?;
         prefill_seconds += timed.0;
         decode_seconds += timed.1;
         decode_tokens += timed.2 * batch.len();
@@ -263,6 +317,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         let out = Output {
             weights: weights.to_string(),
             dtype,
+            cache_dtype: args.cache_dtype,
             generations,
             timings,
         };
@@ -282,8 +337,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
 /// Generates for one batch of rows: its prefill and decoding seconds and the decoding steps.
 fn generate_batch(
     args: &GenerateArgs,
-    model: &Model,
-    device: &Device,
+    (model, device, cache_dtype): (&Model, &Device, Option<FloatDType>),
     tokenizer: &TextTokenizer,
     ends: &Ends,
     rows: &mut [Row],
@@ -291,7 +345,8 @@ fn generate_batch(
 ) -> Result<(f64, f64, usize)> {
     let started = Instant::now();
     let prompts: Vec<&[u32]> = rows.iter().map(|r| r.prompt.as_slice()).collect();
-    let (mut decoder, logits) = Decoder::prefill(model, device, &prompts, tokenizer.eot_id())?;
+    let (mut decoder, logits) =
+        Decoder::prefill(model, device, cache_dtype, &prompts, tokenizer.eot_id())?;
     let prefill_seconds = started.elapsed().as_secs_f64();
     let decoding = Instant::now();
     decode(
@@ -415,7 +470,8 @@ pub fn greedy(
     max_tokens: usize,
     stop: Option<&str>,
 ) -> Result<String> {
-    let (mut decoder, logits) = Decoder::prefill(model, device, &[prompt], tokenizer.eot_id())?;
+    let (mut decoder, logits) =
+        Decoder::prefill(model, device, None, &[prompt], tokenizer.eot_id())?;
     let mut logits = logits.into_iter().next().expect("one row");
     let mut rng = Rng::new(0);
     let mut tokens = Vec::new();
@@ -450,6 +506,7 @@ fn chat(
     let template = Template::find(&args.run)?;
     let (model, weights, device, dtype) =
         run::load_model_on(&args.run, recipe, &args.device, args.dtype)?;
+    let cache_dtype = args.cache_dtype.resolve(&model)?;
     let context = recipe.model_config().max_seq_len;
     eprintln!(
         "({weights}; weights in {dtype}; chat template {}; an empty line ends)",
@@ -460,7 +517,7 @@ fn chat(
         .iter()
         .map(|s| Message::new("system", s))
         .collect();
-    let mut decoder = Decoder::new(&model, &device);
+    let mut decoder = Decoder::new(&model, &device, cache_dtype);
     // The ids whose keys and values the cache holds.
     let mut cached: Vec<u32> = Vec::new();
     let mut rng = Rng::new(args.seed);
@@ -606,6 +663,8 @@ fn check_sampling(args: &GenerateArgs) -> Result<()> {
 struct Decoder<'a> {
     model: &'a Model,
     device: &'a Device,
+    /// The dtype of K and V in the cache (`None`: the activations').
+    cache_dtype: Option<FloatDType>,
     cache: KvCache,
     /// Positions computed one at a time (per row).
     steps: usize,
@@ -613,11 +672,12 @@ struct Decoder<'a> {
 
 impl<'a> Decoder<'a> {
     /// An empty cache.
-    fn new(model: &'a Model, device: &'a Device) -> Self {
+    fn new(model: &'a Model, device: &'a Device, cache_dtype: Option<FloatDType>) -> Self {
         Self {
             model,
             device,
-            cache: model.cache(),
+            cache_dtype,
+            cache: empty_cache(model, cache_dtype),
             steps: 0,
         }
     }
@@ -627,10 +687,11 @@ impl<'a> Decoder<'a> {
     fn prefill(
         model: &'a Model,
         device: &'a Device,
+        cache_dtype: Option<FloatDType>,
         prompts: &[&[u32]],
         pad: u32,
     ) -> Result<(Self, Vec<Vec<f32>>)> {
-        let cache = model.cache();
+        let cache = empty_cache(model, cache_dtype);
         let context = cache.capacity();
         let prompts: Vec<&[u32]> = prompts
             .iter()
@@ -644,7 +705,7 @@ impl<'a> Decoder<'a> {
         };
         let mut decoder = Self {
             cache,
-            ..Self::new(model, device)
+            ..Self::new(model, device, cache_dtype)
         };
         let ids: Vec<u32> = prompts
             .iter()
@@ -682,8 +743,16 @@ impl<'a> Decoder<'a> {
         }
         let context = self.cache.capacity();
         let history: Vec<u32> = first.prompt.iter().chain(&first.tokens).copied().collect();
-        self.cache = self.model.cache();
+        self.cache = empty_cache(self.model, self.cache_dtype);
         self.feed(&history[history.len() - context..], 1)
+    }
+}
+
+/// `model`'s empty KV cache, keeping K and V in `dtype` (`None`: the activations').
+fn empty_cache(model: &Model, dtype: Option<FloatDType>) -> KvCache {
+    match dtype {
+        Some(dtype) => model.cache().in_dtype(dtype),
+        None => model.cache(),
     }
 }
 

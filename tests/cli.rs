@@ -1664,6 +1664,23 @@ fn bf16_inference_weights(runs: &Path, device: &str) {
         err.contains("--dtype bf16: device `ndarray` does not read bf16 weights"),
         "{err}"
     );
+    // DIFF V1's maps read the cache through Burn's products: a bf16 cache is refused.
+    let err = fails(&[
+        "generate",
+        "--run",
+        path(&pure),
+        "--device",
+        device,
+        "--cache-dtype",
+        "bf16",
+        "--max-tokens",
+        "2",
+    ]);
+    let why = match device {
+        "flex" => "--cache-dtype bf16: this model's attention (DIFF V1's two maps",
+        _ => "would widen the cache at every step (only the CPU's Flex backend",
+    };
+    assert!(err.contains(why), "{device}: {err}");
 }
 
 #[test]

@@ -225,16 +225,44 @@ fn transformers_checkpoints_import_to_their_nll_on_every_backend() {
             "0",
             "--ignore-eot",
             "--json",
-            "--device",
-            "flex",
         ];
         args.extend_from_slice(extra);
+        if !extra.contains(&"--device") {
+            args.extend_from_slice(&["--device", "flex"]);
+        }
         serde_json::from_str(&ok(&args)).expect("JSON output")
     };
     let (kept, widened) = (generate(&[]), generate(&["--dtype", "f32"]));
     assert_eq!(kept["dtype"], "bf16", "{kept}");
     assert_eq!(widened["dtype"], "f32", "{widened}");
+    assert_eq!(kept["cache_dtype"], "f32", "{kept}");
     assert_eq!(kept["generations"], widened["generations"]);
+    // NdArray has no bf16: the weights are widened as they load, the same numbers.
+    let ndarray = generate(&["--device", "ndarray"]);
+    assert_eq!(ndarray["dtype"], "f32", "{ndarray}");
+    assert_eq!(ndarray["generations"], widened["generations"]);
+    // A KV cache in bf16 (the baseline reads it in place on Flex), and where it would not be.
+    let rounded = generate(&["--cache-dtype", "bf16"]);
+    assert_eq!(rounded["cache_dtype"], "bf16", "{rounded}");
+    let tokens = rounded["generations"][0]["tokens"]
+        .as_array()
+        .expect("tokens");
+    assert_eq!(tokens.len(), 4, "{rounded}");
+    let err = fails(&[
+        "generate",
+        "--run",
+        path(&llama3),
+        "--device",
+        "ndarray",
+        "--cache-dtype",
+        "bf16",
+        "--max-tokens",
+        "2",
+    ]);
+    assert!(
+        err.contains("--cache-dtype bf16: device `ndarray` would widen the cache"),
+        "{err}"
+    );
 }
 
 /// The families' imports say what they ignored (and record it), keep the tokenizer's chat

@@ -6,12 +6,12 @@
 //! width 2d). All three variants therefore cache `2·H_kv·d` numbers per token and layer: DIFF's
 //! two maps share K's halves and V, and V2's λ is computed from the current token alone.
 //!
-//! A model whose weight matrices are kept narrower than it computes (inference weights in bf16,
-//! [`crate::Model::with_weight_dtype`]) keeps its cache in that dtype too ([`KvCache::in_dtype`]):
-//! a decoding step reads every cached position, at 1,619 positions of a 135M model 75 MB in f32,
+//! The cache may keep K and V narrower than the activations ([`KvCache::in_dtype`], bf16): a
+//! decoding step reads every cached position, at 1,619 positions of a 135M model 75 MB in f32,
 //! 28% of its bf16 weights' bytes. K and V are rounded to it as they are written; a prompt's own
-//! attention (the first step) reads them unrounded, later steps the rounded ones, which the
-//! decoding kernel widens as it reads them ([`crate::attention`] widens them elsewhere).
+//! attention (the first step) reads them unrounded, later steps the rounded ones, which Flex's
+//! decoding kernel widens as it reads them, in place ([`crate::Model::reads_cache_in_place`]);
+//! elsewhere [`crate::attention`] widens a copy at every step.
 //!
 //! Each layer's cache is allocated once for the model's `max_seq_len` positions (the RoPE table's
 //! length) when the first tokens arrive; a step writes its positions into it (in place where the
@@ -29,7 +29,7 @@ pub struct LayerCache {
     stored: Option<[Tensor<4>; 2]>,
     /// `[B, 1, 1, capacity]`, true at each row's left padding (see [`KvCache::with_left_padding`]).
     padding: Option<Tensor<4, Bool>>,
-    /// The dtype K and V are stored in (`None`: the first step's).
+    /// The dtype K and V are stored in (`None`: the dtype of the first step's K).
     dtype: Option<FloatDType>,
     len: usize,
     capacity: usize,
@@ -165,7 +165,7 @@ impl KvCache {
         self
     }
 
-    /// The dtype K and V are stored in (`None`: the first step's).
+    /// The dtype K and V are stored in (`None`: the dtype of the first step's K).
     pub fn dtype(&self) -> Option<FloatDType> {
         self.layers.first().and_then(|layer| layer.dtype)
     }

@@ -176,19 +176,16 @@ impl Model {
         self.head(h)
     }
 
-    /// An empty KV cache for incremental decoding of up to `max_seq_len` positions, storing K and
-    /// V in the weight matrices' dtype where they are kept narrower than the model computes
-    /// ([`Model::with_weight_dtype`]) and every layer reads its cache in place
-    /// ([`Attention::reads_cache_in_place`]; see [`crate::cache`]).
+    /// An empty KV cache for incremental decoding of up to `max_seq_len` positions.
     pub fn cache(&self) -> KvCache {
-        let cache = KvCache::new(self.blocks.len(), self.rope.freq_complex.dims()[0]);
-        let weights = self.embed.weight.val().dtype();
-        let compute = self.norm.gamma.val().dtype();
-        let in_place = self.blocks.iter().all(|b| b.attn.reads_cache_in_place());
-        match in_place && weights.size() < compute.size() {
-            true => cache.in_dtype(weights.into()),
-            false => cache,
-        }
+        KvCache::new(self.blocks.len(), self.rope.freq_complex.dims()[0])
+    }
+
+    /// Whether every layer's decoding step reads its KV cache in place
+    /// ([`Attention::reads_cache_in_place`]), so that a cache kept narrower pays
+    /// ([`KvCache::in_dtype`]).
+    pub fn reads_cache_in_place(&self) -> bool {
+        self.blocks.iter().all(|b| b.attn.reads_cache_in_place())
     }
 
     /// The logits of the next positions `tokens` `[B, S]` of sequences whose earlier positions

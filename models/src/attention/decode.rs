@@ -12,7 +12,8 @@
 //! a decoding step's attention in matmul calls of three rows and in mask, softmax and layout
 //! passes, all on one thread; here each (sequence, kv head, position) is one task, on the threads
 //! of [`crate::team`] from a quarter million multiply-adds (on the calling thread below), that
-//! reads its kv head's keys and values once for all its query heads, in place (K and V in f32 or
+//! reads its kv head's keys once for all its query heads and its values once per query head (64
+//! columns at a time, summed in registers), in place (K and V in f32 or
 //! in bf16, a cache kept narrower: [`crate::cache`], widened as read). Only Flex with f32 queries,
 //! contiguous last dimensions and the shapes above takes it: [`attention`] answers `None` for
 //! everything else, autodiff included.

@@ -93,9 +93,10 @@ impl Attention {
         }
     }
 
-    /// Whether a decoding step reads the KV cache in place (the decoding kernel: the baseline
-    /// and DIFF V2 at full-precision logits), so that a cache narrower than the activations
-    /// pays ([`crate::cache`]); DIFF V1's maps take Burn's products, which would widen it first.
+    /// Whether a decoding step on Flex reads the KV cache in place (the decoding kernel: the
+    /// baseline and DIFF V2 at full-precision logits), so that a cache narrower than the
+    /// activations pays ([`crate::cache`]); DIFF V1's maps take Burn's products, which widen it
+    /// first, as every other backend does.
     pub fn reads_cache_in_place(&self) -> bool {
         match self {
             Self::Transformer(a) => a.logit_bits == 0,
