@@ -19,7 +19,7 @@
 //! Prompts of different lengths share a batch left-padded ([`KvCache::with_left_padding`]):
 //! padding keys are masked out of every other position's attention.
 
-use burn::tensor::{Bool, Device, FloatDType, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, FloatDType, Tensor, TensorData};
 
 /// One layer's cached keys and values.
 #[derive(Debug, Clone)]
@@ -79,8 +79,8 @@ impl LayerCache {
         let (start, end) = (self.len, self.len + s);
         let dtype = self.dtype.unwrap_or_else(|| k.dtype().into());
         let [keys, values] = self.stored.take().unwrap_or_else(|| {
-            let zeros =
-                |h, d| Tensor::<4>::zeros([b, h, self.capacity, d], &k.device()).cast(dtype);
+            let options = (&k.device(), DType::from(dtype));
+            let zeros = |h, d| Tensor::<4>::zeros([b, h, self.capacity, d], options);
             [zeros(h_k, d_k), zeros(h_v, d_v)]
         });
         let [kb, kh, _, kd] = keys.dims();
