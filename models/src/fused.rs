@@ -189,7 +189,7 @@ pub fn differential_softmax_plain(
     scale: f64,
     lambda: Tensor<3>,
 ) -> Tensor<4> {
-    pair_difference(causal_softmax_plain(scores, positions, scale), lambda)
+    pair_difference_plain(causal_softmax_plain(scores, positions, scale), lambda)
 }
 
 /// Half-head pairs `[B, 2H, S, n]` into `x_{2h} − λ_{b,s,h}·x_{2h+1}` ([`PairDifference`] of the
@@ -1325,16 +1325,25 @@ pub(crate) mod flex {
         Some(like(d_x, y))
     }
 
-    /// Where λ `[B, S, H]` (each dimension also 1) is read for pair h of sequence b at
-    /// position s: its strides, 0 along broadcast dimensions.
-    fn lambda_strides(lambda: &FloatTensor<Flex>, [b, s, h]: [usize; 3]) -> Option<[usize; 3]> {
+    /// Where λ `[B, S, H]` (each dimension also 1: broadcast) is read for pair `b·H + h` at
+    /// position t: `at(pair, t)`.
+    fn lambda_at(
+        lambda: &FloatTensor<Flex>,
+        [b, s, h]: [usize; 3],
+    ) -> Option<impl Fn(usize, usize) -> usize + Sync> {
         let &[lb, ls, lh] = &lambda.shape()[..] else {
             return None;
         };
         let fits = |size, full| size == 1 || size == full;
         let along = |size: usize, stride| if size == 1 { 0 } else { stride };
+        let [sb, ss, sh] = [along(lb, ls * lh), along(ls, lh), along(lh, 1)];
         (fits(lb, b) && fits(ls, s) && fits(lh, h))
-            .then(|| [along(lb, ls * lh), along(ls, lh), along(lh, 1)])
+            .then_some(move |pair: usize, t: usize| pair / h * sb + t * ss + pair % h * sh)
+    }
+
+    /// Pairs handed to rayon's threads together: at least 16K elements of output a task.
+    fn pairs_per_task(map: usize) -> usize {
+        (1 << 14) / map + 1
     }
 
     /// [`super::pair_difference`] over rayon's threads, a pair (b, h) per task.
@@ -1344,19 +1353,20 @@ pub(crate) mod flex {
     ) -> Option<FloatTensor<Flex>> {
         let (xs, ls) = (elements(pairs)?, elements(lambda)?);
         let [b, h, s, n] = pairs_map(pairs)?;
-        let [sb, ss, sh] = lambda_strides(lambda, [b, s, h])?;
+        let at = lambda_at(lambda, [b, s, h])?;
         let map = s * n;
         let mut out = vec![0.0f32; xs.len() / 2];
         out.par_chunks_mut(map)
             .zip(xs.par_chunks(2 * map))
             .enumerate()
+            .with_min_len(pairs_per_task(map))
             .for_each(|(pair, (out, xs))| {
                 let (x_1, x_2) = xs.split_at(map);
                 let rows = out
                     .chunks_exact_mut(n)
                     .zip(x_1.chunks_exact(n).zip(x_2.chunks_exact(n)));
                 for (t, (out, (x_1, x_2))) in rows.enumerate() {
-                    let lambda = ls[pair / h * sb + t * ss + pair % h * sh];
+                    let lambda = ls[at(pair, t)];
                     for ((out, a), c) in out.iter_mut().zip(x_1).zip(x_2) {
                         *out = a - lambda * c;
                     }
@@ -1380,7 +1390,7 @@ pub(crate) mod flex {
         if grad.shape()[..] != half {
             return None;
         }
-        let [sb, ss, sh] = lambda_strides(lambda, [b, s, h])?;
+        let at = lambda_at(lambda, [b, s, h])?;
         let map = s * n;
         let mut d_x = vec![0.0f32; xs.len()];
         let mut inner = vec![0.0f32; b * h * s];
@@ -1388,6 +1398,7 @@ pub(crate) mod flex {
             .zip(inner.par_chunks_mut(s))
             .zip(xs.par_chunks(2 * map).zip(ds.par_chunks(map)))
             .enumerate()
+            .with_min_len(pairs_per_task(map))
             .for_each(|(pair, ((d_x, inner), (xs, ds)))| {
                 let (d_x_1, d_x_2) = d_x.split_at_mut(map);
                 let x_2 = &xs[map..];
@@ -1397,7 +1408,7 @@ pub(crate) mod flex {
                     .zip(inner.iter_mut().zip(ds.chunks_exact(n)))
                     .enumerate()
                 {
-                    let lambda = ls[pair / h * sb + t * ss + pair % h * sh];
+                    let lambda = ls[at(pair, t)];
                     for (out, d) in d_x_2.iter_mut().zip(d) {
                         *out = -lambda * d;
                     }
@@ -1407,7 +1418,7 @@ pub(crate) mod flex {
         let mut d_lambda = vec![0.0f32; ls.len()];
         for (row, inner) in inner.iter().enumerate() {
             let (pair, t) = (row / s, row % s);
-            d_lambda[pair / h * sb + t * ss + pair % h * sh] -= inner;
+            d_lambda[at(pair, t)] -= inner;
         }
         Some((like(d_x, pairs), like(d_lambda, lambda)))
     }
