@@ -372,7 +372,7 @@ pub fn load_model(run: &Path, recipe: &Recipe, device: &Device) -> Result<(Model
 #[serde(rename_all = "lowercase")]
 pub enum WeightDtype {
     F32,
-    /// Half the bytes a decoding step reads, each weight rounded to 8 bits of mantissa.
+    /// Half the bytes a decoding step reads, each weight rounded to 8 significant bits.
     Bf16,
 }
 
@@ -396,15 +396,19 @@ impl WeightDtype {
 /// Whether the weights `run` loads ([`find_weights`]) store their matrices in bf16, as the
 /// file's header says.
 fn stored_in_bf16(run: &Path) -> Result<bool> {
+    holds_bf16(run, &find_weights(run)?, |dims| dims == 2)
+}
+
+/// Whether the file of `weights` (of the run at `run`) holds a bf16 tensor of a number of
+/// dimensions `counts` takes, as its header says.
+fn holds_bf16(run: &Path, weights: &Weights, counts: impl Fn(usize) -> bool) -> Result<bool> {
     use burn::store::burn_pack::{DType, Reader};
-    let weights = find_weights(run)?;
-    let file = weights.file();
-    let tensors = Reader::from_file_exact(file)
+    let tensors = Reader::from_file_exact(weights.file())
         .and_then(Reader::into_tensors)
-        .map_err(|e| damaged(run, &weights, &e.to_string()))?;
+        .map_err(|e| damaged(run, weights, &e.to_string()))?;
     Ok(tensors
         .iter()
-        .any(|t| t.shape.num_dims() == 2 && t.dtype == DType::BF16))
+        .any(|t| counts(t.shape.num_dims()) && t.dtype == DType::BF16))
 }
 
 impl std::fmt::Display for WeightDtype {
@@ -489,10 +493,11 @@ pub fn load_weights(
     // initial values to read their dtype (a second at a 135M model's shape). Parameters in
     // another float dtype than the device's (a bf16 run's model into an f32 device) are cast
     // after; on an autodiff device, where a cast would be a step of the graph, by reading the
-    // record again with Burn's cast, and so on a device without bf16 (NdArray), which cannot
-    // hold a bf16 run's weights as recorded.
-    let as_recorded = device.supports_dtype(burn::tensor::FloatDType::BF16);
-    let model = read_weights(path, &weights, config, device, !as_recorded)?;
+    // record again with Burn's cast, and so for bf16 weights on a device without bf16 (NdArray),
+    // which cannot hold them as recorded.
+    let cast = !device.supports_dtype(burn::tensor::FloatDType::BF16)
+        && holds_bf16(path, &weights, |_| true)?;
+    let model = read_weights(path, &weights, config, device, cast)?;
     let float = device.settings().float_dtype;
     let model = match floats_all_in(&model, float.into()) {
         true => model,
