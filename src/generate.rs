@@ -95,8 +95,8 @@ pub struct GenerateArgs {
     #[arg(long, value_enum)]
     pub dtype: Option<WeightDtype>,
     /// The dtype the KV cache keeps keys and values in. bf16 halves the bytes a decoding step
-    /// reads from it (at 1,619 positions of a 135M model 75 MB in f32), each rounded to 8 bits of
-    /// mantissa as it is written (the prompt attends to its own unrounded); the CPU's Flex
+    /// reads from it (at 1,619 positions of a 135M model 75 MB in f32), each rounded to 8
+    /// significant bits as it is written (the prompt attends to its own unrounded); the CPU's Flex
     /// backend reads it in place, for the baseline and DIFF V2 (DIFF V1's maps would widen it
     /// at every step: refused).
     #[arg(long, value_enum, default_value = "f32")]
@@ -141,6 +141,23 @@ impl CacheDtype {
             Self::Bf16 => Ok(Some(FloatDType::BF16)),
         }
     }
+
+    /// What `cache` keeps its keys and values in.
+    fn of(cache: &KvCache) -> Self {
+        match cache.dtype() {
+            Some(FloatDType::BF16) => Self::Bf16,
+            _ => Self::F32,
+        }
+    }
+}
+
+impl std::fmt::Display for CacheDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        })
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -148,7 +165,7 @@ struct Output {
     weights: String,
     /// The dtype the weight matrices were kept in.
     dtype: WeightDtype,
-    /// The dtype of the KV cache.
+    /// The dtype the KV cache kept its keys and values in.
     cache_dtype: CacheDtype,
     generations: Vec<Generation>,
     timings: Timings,
@@ -260,9 +277,11 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     let (model, weights, device, dtype) =
         run::load_model_on(&args.run, &recipe, &args.device, args.dtype)?;
     let cache_dtype = args.cache_dtype.resolve(&model)?;
+    // As the decoder will make it.
+    let cache = CacheDtype::of(&empty_cache(&model, cache_dtype));
     let stream_one = !args.json && rows.len() == 1;
     if stream_one {
-        eprintln!("({weights}; weights in {dtype})");
+        eprintln!("({weights}; weights in {dtype}; KV cache in {cache})");
         print!("{}", texts[0]);
     }
     for _ in 0..args.warmup {
@@ -317,7 +336,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         let out = Output {
             weights: weights.to_string(),
             dtype,
-            cache_dtype: args.cache_dtype,
+            cache_dtype: cache,
             generations,
             timings,
         };
@@ -509,7 +528,8 @@ fn chat(
     let cache_dtype = args.cache_dtype.resolve(&model)?;
     let context = recipe.model_config().max_seq_len;
     eprintln!(
-        "({weights}; weights in {dtype}; chat template {}; an empty line ends)",
+        "({weights}; weights in {dtype}; KV cache in {}; chat template {}; an empty line ends)",
+        CacheDtype::of(&empty_cache(&model, cache_dtype)),
         template.origin()
     );
     let mut conversation: Vec<Message> = args
@@ -704,8 +724,11 @@ impl<'a> Decoder<'a> {
             false => cache,
         };
         let mut decoder = Self {
+            model,
+            device,
+            cache_dtype,
             cache,
-            ..Self::new(model, device, cache_dtype)
+            steps: 0,
         };
         let ids: Vec<u32> = prompts
             .iter()
