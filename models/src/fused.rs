@@ -366,7 +366,7 @@ pub trait FusedOps: Backend {
         causal_softmax_backward_plain::<Self>(y, grad, scale)
     }
 
-    /// [`differential_softmax`] of `scores` `[B, 2H, R, T]` with `lambda` `[1, 1, 1, 1]`;
+    /// [`differential_softmax`] of `scores` `[B, 2H, R, T]` with `lambda` `[1, 1, 1]`;
     /// `None`: not taken.
     fn differential_softmax(
         _scores: FloatTensor<Self>,
@@ -786,36 +786,18 @@ impl<B: Backend + FusedOps> Backward<B, 2> for DifferentialSoftmaxBackward {
     }
 }
 
-/// [`FusedOps::differential_softmax_backward`] by Burn's operations: the maps' gradients
-/// `d` and `−λ·d` through [`FusedOps::causal_softmax_backward`]'s formula, `∂λ = −Σ d⊙y₂`.
+/// [`FusedOps::differential_softmax_backward`] by Burn's operations: the pair difference's
+/// backward gives the maps' gradients and ∂λ, the causal softmax's backward the scores'.
 fn differential_softmax_backward_plain<B: Backend>(
     y: FloatTensor<B>,
     lambda: FloatTensor<B>,
     grad: FloatTensor<B>,
     scale: f64,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
-    let shape = y.shape();
-    let [b, h2, r, t] = shape.dims();
-    let lambda_shape = lambda.shape();
-    let (device, dtype) = (y.device(), y.dtype());
-    let y = B::float_reshape(y, Shape::new([b, h2 / 2, 2, r, t]));
-    let grad = B::float_reshape(grad, Shape::new([b, h2 / 2, 1, r, t]));
-    // Per map of a pair, its factor: 1 for A₁, −λ for A₂.
-    let factors = B::float_cat(
-        vec![
-            B::float_ones(Shape::new([1]), &device, dtype.into()),
-            B::float_neg(B::float_reshape(lambda, Shape::new([1]))),
-        ],
-        0,
-    );
-    let factors = B::float_reshape(factors, Shape::new([1, 1, 2, 1, 1]));
-    let slices = [0..b, 0..h2 / 2, 1..2, 0..r, 0..t].map(Slice::from);
-    let second = B::float_slice(y.clone(), &slices);
-    let d_lambda = B::float_neg(B::float_sum(B::float_mul(grad.clone(), second)));
-    let d_scores = causal_softmax_backward_plain::<B>(y, B::float_mul(grad, factors), scale);
+    let (d_maps, d_lambda) = pair_difference_backward_plain::<B>(y.clone(), lambda, grad);
     (
-        B::float_reshape(d_scores, shape),
-        B::float_reshape(d_lambda, lambda_shape),
+        causal_softmax_backward_plain::<B>(y, d_maps, scale),
+        d_lambda,
     )
 }
 
