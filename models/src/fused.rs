@@ -127,6 +127,7 @@ pub fn causal_softmax<const D: usize>(
     positions: usize,
     scale: f64,
 ) -> Tensor<D> {
+    check_positions(&scores.dims(), positions);
     <burn::backend::Dispatch as FusedOps>::causal_softmax(
         scores.clone().into_dispatch(),
         positions,
@@ -144,6 +145,7 @@ pub fn causal_softmax_plain<const D: usize>(
     scale: f64,
 ) -> Tensor<D> {
     let dims = scores.dims();
+    check_positions(&dims, positions);
     let (rows, keys) = (dims[D - 2], dims[D - 1]);
     let future = Tensor::<2, Bool>::tril_mask(
         [positions, keys],
@@ -160,6 +162,17 @@ pub fn causal_softmax_plain<const D: usize>(
     )
 }
 
+/// Panics, naming the numbers, unless the rows of a causal map `[.., R, T]` can cycle over the
+/// `positions` last of its T keys' positions: 1 ≤ positions ≤ T, R a multiple of positions.
+fn check_positions(dims: &[usize], positions: usize) {
+    let (rows, keys) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+    assert!(
+        positions >= 1 && positions <= keys && rows % positions == 0,
+        "causal softmax of scores {dims:?}: {positions} query positions must be 1 to the \
+         {keys} keys and divide the {rows} rows"
+    );
+}
+
 /// DIFF attention's differential map `A₁ − λ·A₂` ([`Differential`] of the module's equations)
 /// from the scores `[B, 2H, R, T]` of half-head pairs (2h, 2h+1), as `[B, H, R, T]`; each map is
 /// [`causal_softmax`]'s of its scores with `positions` and `scale`, `lambda` a `[1, 1, 1]`
@@ -172,6 +185,7 @@ pub fn differential_softmax(
     scale: f64,
     lambda: Tensor<3>,
 ) -> Tensor<4> {
+    check_positions(&scores.dims(), positions);
     <burn::backend::Dispatch as FusedOps>::differential_softmax(
         scores.clone().into_dispatch(),
         positions,

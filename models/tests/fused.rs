@@ -425,6 +425,50 @@ fn causal_softmax_equals_burns_masked_softmax() {
     }
 }
 
+/// Query positions the scores' shape cannot take (none, more than the keys, not dividing the
+/// rows) are refused by name, by the fused operations and by Burn's (which would otherwise fail
+/// on an overflow or a mask of the wrong shape).
+#[test]
+fn causal_maps_refuse_positions_their_scores_cannot_take() {
+    let device = Device::flex();
+    // Scores of 6 rows over 6 keys.
+    for positions in [0, 7, 4] {
+        let scores = || random([1, 2, 6, 6], &device);
+        let lambda = || Tensor::<3>::ones([1, 1, 1], &device);
+        let want =
+            format!("{positions} query positions must be 1 to the 6 keys and divide the 6 rows");
+        let refused = |what: &str, operation: &dyn Fn()| {
+            let message = std::panic::catch_unwind(std::panic::AssertUnwindSafe(operation))
+                .expect_err(&format!("{what}: {positions} positions taken"));
+            let message = message.downcast_ref::<String>().cloned();
+            let message = message.unwrap_or_default();
+            assert!(message.contains(&want), "{what}: {message:?}");
+        };
+        refused("fused", &|| {
+            drop(fused::causal_softmax(scores(), positions, 1.0))
+        });
+        refused("plain", &|| {
+            drop(fused::causal_softmax_plain(scores(), positions, 1.0))
+        });
+        refused("differential", &|| {
+            drop(fused::differential_softmax(
+                scores(),
+                positions,
+                1.0,
+                lambda(),
+            ))
+        });
+        refused("differential plain", &|| {
+            drop(fused::differential_softmax_plain(
+                scores(),
+                positions,
+                1.0,
+                lambda(),
+            ))
+        });
+    }
+}
+
 #[test]
 fn causal_softmax_gradients_are_burns_under_autodiff() {
     for (backend, device) in backends() {
