@@ -821,3 +821,79 @@ fn burns_operations_give_flexs_pair_difference_backward() {
         }
     }
 }
+
+/// Attention in blocks of queries (`attention::blocks`, Flex) gives the explicit path's output
+/// and gradients, computed here by Burn's operations over the whole maps: more positions than
+/// three blocks (the last one short), queries after earlier keys, GQA groups of two and one, and
+/// DIFF's `A₁ − λ·A₂` with ∂λ. Fewer positions than a block, and other backends, are left to the
+/// explicit path (`None`).
+#[test]
+fn attention_in_blocks_gives_the_explicit_paths_values_and_gradients() {
+    use diffzoo_models::attention::blocks::{self, BLOCK};
+    let device = Device::flex().autodiff();
+    let (s, d) = (2 * BLOCK + 44, 16);
+    let scale = 1.0 / (d as f64).sqrt();
+    let heads_of = |x: Tensor<4>, n_rep: usize| {
+        let [b, h, t, d] = x.dims();
+        x.unsqueeze_dim::<5>(2)
+            .expand([b, h, n_rep, t, d])
+            .reshape([b, h * n_rep, t, d])
+    };
+    for (heads, kv_heads, past) in [(4, 2, 0), (2, 2, 9), (3, 1, 0)] {
+        let what = format!("H {heads}, H_kv {kv_heads}, {past} keys before");
+        let t = past + s;
+        let q = random([2, heads, s, d], &device).require_grad();
+        let k = random([2, kv_heads, t, d], &device).require_grad();
+        let v = random([2, kv_heads, t, d + 3], &device).require_grad();
+        let weights = random([2, heads, s, d + 3], &device);
+        let ours = blocks::causal(q.clone(), k.clone(), v.clone()).expect("Flex takes it");
+        let scores = q
+            .clone()
+            .matmul(heads_of(k.clone(), heads / kv_heads).swap_dims(2, 3));
+        let theirs = fused::causal_softmax_plain(scores, s, scale)
+            .matmul(heads_of(v.clone(), heads / kv_heads));
+        assert_close(&what, ours.clone(), theirs.clone(), 1e-5, 1e-4);
+        let ours = (ours * weights.clone()).sum().backward();
+        let theirs = (theirs * weights).sum().backward();
+        for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
+            let [a, b] = [&ours, &theirs].map(|g| x.grad(g).expect("a gradient"));
+            // Sums over the blocks in another order: f32 rounding.
+            assert_close(&format!("{what}: ∂{name}"), a, b, 1e-4, 1e-4);
+        }
+    }
+    // DIFF: half-heads 2h and 2h+1, values of head h twice as wide.
+    let (q, k) = (
+        random([2, 4, s, d], &device).require_grad(),
+        random([2, 4, s, d], &device).require_grad(),
+    );
+    let v = random([2, 2, s, 2 * d], &device).require_grad();
+    let lambda = Tensor::<3>::full([1, 1, 1], 0.7, &device).require_grad();
+    let weights = random([2, 2, s, 2 * d], &device);
+    let ours = blocks::differential(q.clone(), k.clone(), v.clone(), lambda.clone())
+        .expect("Flex takes it");
+    let scores = q.clone().matmul(k.clone().swap_dims(2, 3));
+    let theirs =
+        fused::differential_softmax_plain(scores, s, scale, lambda.clone()).matmul(v.clone());
+    assert_close("DIFF", ours.clone(), theirs.clone(), 1e-5, 1e-4);
+    let ours = (ours * weights.clone()).sum().backward();
+    let theirs = (theirs * weights).sum().backward();
+    for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
+        let [a, b] = [&ours, &theirs].map(|g| x.grad(g).expect("a gradient"));
+        assert_close(&format!("DIFF: ∂{name}"), a, b, 1e-4, 1e-4);
+    }
+    let [a, b] = [&ours, &theirs].map(|g| lambda.grad(g).expect("a gradient"));
+    assert_close("DIFF: ∂λ", a, b, 1e-4, 1e-4);
+    // What the op leaves to the explicit path.
+    let short = random([1, 2, BLOCK, d], &device);
+    assert!(
+        blocks::causal(short.clone(), short.clone(), short).is_none(),
+        "a block's positions"
+    );
+    for (backend, device) in backends().into_iter().filter(|(name, _)| *name != "flex") {
+        let x = random([1, 2, s, d], &device);
+        assert!(
+            blocks::causal(x.clone(), x.clone(), x).is_none(),
+            "{backend}"
+        );
+    }
+}

@@ -25,7 +25,7 @@
 //! result by linearity; the gradients of the maps and of λ are in [`super::flash`]).
 
 use super::{
-    AttentionProbe, StepQkv, as_queries, causal_attention, causal_logits, causal_softmax,
+    AttentionProbe, StepQkv, as_queries, blocks, causal_attention, causal_logits, causal_softmax,
     merge_heads, projection, qkv_projection, repeat_kv, step_qkv,
 };
 use crate::cache::LayerCache;
@@ -213,7 +213,8 @@ impl DiffAttention {
 }
 
 /// `(A₁ − λ·A₂)·v` from the half-heads' explicit maps (`lambda` `[1, 1, 1]`), the
-/// differential map in one pass ([`fused::differential_softmax`]) without quantisation or a mask.
+/// differential map in one pass ([`fused::differential_softmax`]) without quantisation or a mask,
+/// in blocks of queries ([`blocks::differential`]) where the backend has them.
 fn explicit_heads(
     q: Tensor<4>,
     k: Tensor<4>,
@@ -224,6 +225,10 @@ fn explicit_heads(
 ) -> Tensor<4> {
     let map = match (bits, mask) {
         (0, None) => {
+            if let Some(out) = blocks::differential(q.clone(), k.clone(), v.clone(), lambda.clone())
+            {
+                return out;
+            }
             let [s, d] = [q.dims()[2], q.dims()[3]];
             let scores = q.matmul(k.swap_dims(2, 3));
             fused::differential_softmax(scores, s, 1.0 / (d as f64).sqrt(), lambda)

@@ -4,6 +4,7 @@
 //! head layout helpers, the causal softmax and the probe type below. All tensors inside
 //! attention are `[batch, heads, seq, dim]`.
 
+pub mod blocks;
 mod decode;
 mod diff;
 mod diff_v2;
@@ -395,6 +396,7 @@ fn attend(
 /// are stacked along the query axis, `[B, H_kv, n_rep·S, d]`, so that one matmul per kv head
 /// reads its keys and values once (the same numbers as repeating them, a copy of K and V fewer
 /// per layer and decoding step). `mask` (`[B, 1, S, T]`, true: masked) replaces the causal one.
+/// Without one, more positions than a block take [`blocks::causal`] where the backend has it.
 fn grouped_causal_attention(
     q: Tensor<4>,
     k: Tensor<4>,
@@ -409,6 +411,11 @@ fn grouped_causal_attention(
         return out;
     }
     let [k, v] = as_queries(&q, [k, v]);
+    if mask.is_none()
+        && let Some(out) = blocks::causal(q.clone(), k.clone(), v.clone())
+    {
+        return out;
+    }
     let d_v = v.dims()[3];
     let n_rep = h / h_kv;
     if n_rep == 1 {
