@@ -839,7 +839,7 @@ fn attention_in_blocks_gives_the_explicit_paths_values_and_gradients() {
             .expand([b, h, n_rep, t, d])
             .reshape([b, h * n_rep, t, d])
     };
-    for (heads, kv_heads, past) in [(4, 2, 0), (2, 2, 9), (3, 1, 0)] {
+    for (heads, kv_heads, past) in [(4, 2, 0), (2, 2, 9), (3, 1, 0), (4, 2, 9)] {
         let what = format!("H {heads}, H_kv {kv_heads}, {past} keys before");
         let t = past + s;
         let q = random([2, heads, s, d], &device).require_grad();
@@ -861,12 +861,12 @@ fn attention_in_blocks_gives_the_explicit_paths_values_and_gradients() {
             assert_close(&format!("{what}: ∂{name}"), a, b, 1e-4, 1e-4);
         }
     }
-    // DIFF: half-heads 2h and 2h+1, values of head h twice as wide.
+    // DIFF: half-heads 2h and 2h+1, values of head h twice as wide, after 9 keys.
     let (q, k) = (
         random([2, 4, s, d], &device).require_grad(),
-        random([2, 4, s, d], &device).require_grad(),
+        random([2, 4, s + 9, d], &device).require_grad(),
     );
-    let v = random([2, 2, s, 2 * d], &device).require_grad();
+    let v = random([2, 2, s + 9, 2 * d], &device).require_grad();
     let lambda = Tensor::<3>::full([1, 1, 1], 0.7, &device).require_grad();
     let weights = random([2, 2, s, 2 * d], &device);
     let ours = blocks::differential(q.clone(), k.clone(), v.clone(), lambda.clone())
@@ -883,11 +883,27 @@ fn attention_in_blocks_gives_the_explicit_paths_values_and_gradients() {
     }
     let [a, b] = [&ours, &theirs].map(|g| lambda.grad(g).expect("a gradient"));
     assert_close("DIFF: ∂λ", a, b, 1e-4, 1e-4);
-    // What the op leaves to the explicit path.
+    // Without autodiff (a prompt), the same numbers.
+    let flex = Device::flex();
+    let [q, k, v] = [[1, 4, s, d], [1, 2, s, d], [1, 2, s, d]].map(|shape| random(shape, &flex));
+    let scores = q.clone().matmul(heads_of(k.clone(), 2).swap_dims(2, 3));
+    assert_close(
+        "without autodiff",
+        blocks::causal(q, k, v.clone()).expect("Flex takes it"),
+        fused::causal_softmax_plain(scores, s, scale).matmul(heads_of(v, 2)),
+        1e-5,
+        1e-4,
+    );
+    // What the op leaves to the explicit path: a block's positions, bf16, other backends.
     let short = random([1, 2, BLOCK, d], &device);
     assert!(
         blocks::causal(short.clone(), short.clone(), short).is_none(),
         "a block's positions"
+    );
+    let half = random([1, 2, s, d], &flex).cast(burn::tensor::DType::BF16);
+    assert!(
+        blocks::causal(half.clone(), half.clone(), half).is_none(),
+        "bf16"
     );
     for (backend, device) in backends().into_iter().filter(|(name, _)| *name != "flex") {
         let x = random([1, 2, s, d], &device);

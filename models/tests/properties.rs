@@ -165,6 +165,53 @@ fn a_truncated_cache_continues_as_if_it_held_only_the_kept_positions() {
     }
 }
 
+/// Beyond a block of queries (`attention::blocks`, taken by Flex's explicit path) every variant
+/// gives the other backends' logits (the explicit path over whole maps), and a prompt fed in two
+/// parts of more than a block each, the second after the first's cache, gives the whole prompt's.
+#[test]
+fn attention_beyond_a_block_of_queries_gives_the_whole_maps_logits() {
+    use diffzoo_models::attention::blocks::BLOCK;
+    let (first, second) = (BLOCK + 2, BLOCK + 12);
+    let seq = first + second;
+    let device = device();
+    for attention in AttentionKind::ALL {
+        device.seed(5);
+        let model = ModelConfig::new(attention, 48, 2, 4, 61, seq)
+            .with_kv_heads(Some(2))
+            .init(&device);
+        let input = tokens(2, seq, 61, 3, &device);
+        let whole = model.forward(input.clone());
+        for (backend, other) in backends().into_iter().filter(|(name, _)| *name != "flex") {
+            let theirs = model
+                .clone()
+                .to_device(&other)
+                .forward(input.clone().to_device(&other))
+                .to_device(&device);
+            let what = format!("{attention}: {backend}");
+            assert_close(
+                &what,
+                whole.clone(),
+                theirs,
+                tolerance(backend).max(1e-4),
+                1e-4,
+            );
+        }
+        let mut cache = model.cache();
+        let parts = vec![
+            model.forward_cached(input.clone().narrow(1, 0, first), &mut cache),
+            model.forward_cached(input.narrow(1, first, second), &mut cache),
+        ];
+        let parts = Tensor::cat(parts, 1);
+        assert_close(
+            &format!("{attention}: in two parts"),
+            parts,
+            whole,
+            1e-4,
+            1e-4,
+        );
+    }
+}
+
 #[test]
 fn a_left_padded_batch_decodes_each_prompt_as_alone() {
     // Prompts of 7, 3 and 5 tokens, padded on the left to 7, then four tokens decoded.

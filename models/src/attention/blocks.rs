@@ -2,10 +2,10 @@
 //! without their upper blocks.
 //!
 //! The explicit path computes the scores of every query with all T keys, its causal map, and
-//! `O = map·v`; above the diagonal the map is zero, so at 256 positions a quarter of those
-//! products' multiply-adds, forward and backward, only add zeros (at 512, three eighths). Here the
-//! S queries (the last S of the T positions) are cut into blocks of [`BLOCK`]; block i, queries
-//! `r_i` whose last sees the keys `< e_i`, computes
+//! `O = map·v`; above the diagonal the map is zero, so about half of those products'
+//! multiply-adds, forward and backward, only add zeros. Here the S queries (the last S of the T
+//! positions) are cut into blocks of [`BLOCK`], which skip a quarter of them at 256 positions
+//! (three eighths at 512); block i, queries `r_i` whose last sees the keys `< e_i`, computes
 //!
 //! ```text
 //! S_i = q_{r_i}·k_{<e_i}ᵀ,   A_i = map(S_i),   O_{r_i} = A_i·v_{<e_i}
@@ -127,7 +127,9 @@ impl CausalBlockOps for burn::backend::Flex {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
     ) -> Option<FloatTensor<Self>> {
-        Self::causal_blocks_with_maps(q, k, v).map(|(out, _)| out)
+        f32s(&[&q, &k, &v])
+            .then(|| forward::<Self>(q, k, v, None, false))?
+            .map(|(out, _)| out)
     }
 
     fn differential_blocks(
@@ -136,7 +138,9 @@ impl CausalBlockOps for burn::backend::Flex {
         v: FloatTensor<Self>,
         lambda: FloatTensor<Self>,
     ) -> Option<FloatTensor<Self>> {
-        Self::differential_blocks_with_maps(q, k, v, lambda).map(|(out, _)| out)
+        f32s(&[&q, &k, &v])
+            .then(|| forward::<Self>(q, k, v, Some(lambda), false))?
+            .map(|(out, _)| out)
     }
 
     fn causal_blocks_with_maps(
@@ -144,7 +148,7 @@ impl CausalBlockOps for burn::backend::Flex {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
     ) -> Option<(FloatTensor<Self>, Vec<FloatTensor<Self>>)> {
-        f32s(&[&q, &k, &v]).then(|| forward::<Self>(q, k, v, None))?
+        f32s(&[&q, &k, &v]).then(|| forward::<Self>(q, k, v, None, true))?
     }
 
     fn differential_blocks_with_maps(
@@ -153,7 +157,7 @@ impl CausalBlockOps for burn::backend::Flex {
         v: FloatTensor<Self>,
         lambda: FloatTensor<Self>,
     ) -> Option<(FloatTensor<Self>, Vec<FloatTensor<Self>>)> {
-        f32s(&[&q, &k, &v]).then(|| forward::<Self>(q, k, v, Some(lambda)))?
+        f32s(&[&q, &k, &v]).then(|| forward::<Self>(q, k, v, Some(lambda), true))?
     }
 }
 default_ops!(CausalBlockOps, no_autodiff);
@@ -221,6 +225,7 @@ type State<B> = (
     Vec<FloatTensor<B>>,
 );
 
+/// The backward of the module's equations, with 3 parents (q, k, v) or 4 (and λ).
 #[derive(Debug)]
 struct BlocksBackward;
 
@@ -264,6 +269,7 @@ struct Blocks {
 }
 
 impl Blocks {
+    /// The blocks of `q` `[B, H, S, d]` over `k` `[B, G, T, d]`.
     fn of<B: Backend>(q: &FloatTensor<B>, k: &FloatTensor<B>) -> Self {
         let [b, heads, s, d] = q.shape().dims();
         let [_, groups, t, _] = k.shape().dims();
@@ -300,19 +306,20 @@ impl Blocks {
     }
 
     /// [`Blocks::rows`]' inverse: `[B, G, n_rep·rows, n]` → `[B, H, rows, n]`.
-    fn heads<B: Backend>(&self, x: FloatTensor<B>, rows: usize) -> FloatTensor<B> {
+    fn unstack<B: Backend>(&self, x: FloatTensor<B>, rows: usize) -> FloatTensor<B> {
         let n = x.shape()[3];
         B::float_reshape(x, Shape::new([self.b, self.heads, rows, n]))
     }
 }
 
-/// The output and the kept maps (per block A_i, then DIFF's two maps), `None` where a map is not
-/// taken.
+/// The output and, if `keep` (for the backward), the maps (per block A_i, then DIFF's two maps);
+/// `None` where a map is not taken.
 fn forward<B: FusedOps>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,
     v: FloatTensor<B>,
     lambda: Option<FloatTensor<B>>,
+    keep: bool,
 ) -> Option<(FloatTensor<B>, Vec<FloatTensor<B>>)> {
     let blocks = Blocks::of::<B>(&q, &k);
     let mut outs = Vec::new();
@@ -326,15 +333,19 @@ fn forward<B: FusedOps>(
                 let scores = B::float_matmul(blocks.rows::<B>(&q, &rows), keys);
                 let map = B::causal_softmax(scores, n, blocks.scale)?;
                 let out = B::float_matmul(map.clone(), values);
-                maps.push(map);
-                blocks.heads::<B>(out, n)
+                if keep {
+                    maps.push(map);
+                }
+                blocks.unstack::<B>(out, n)
             }
             Some(lambda) => {
                 let scores = B::float_matmul(narrow::<B>(&q, 2, rows), keys);
                 let (map, pair) =
                     B::differential_softmax_with_maps(scores, n, blocks.scale, lambda.clone())?;
                 let out = B::float_matmul(map.clone(), values);
-                maps.extend([map, pair]);
+                if keep {
+                    maps.extend([map, pair]);
+                }
                 out
             }
         };
@@ -393,7 +404,7 @@ fn backward<B: FusedOps>(
         };
         let d_queries = B::float_matmul(d_scores.clone(), keys);
         dq.push(match diff {
-            false => blocks.heads::<B>(d_queries, n),
+            false => blocks.unstack::<B>(d_queries, n),
             true => d_queries,
         });
         add_prefix::<B>(
