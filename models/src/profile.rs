@@ -3,7 +3,8 @@
 //! While [`enable`]d, every operation of a [`Class`] — the linear layers' and the head's
 //! products, the attention core, RMSNorm, RoPE, SwiGLU's gate, the embedding and the loss — is
 //! timed where the decoder calls it, and so is the backward of those with their own
-//! ([`crate::fused`]'s, flash attention's, [`crate::cross_entropy`]'s) where autodiff runs it.
+//! ([`crate::fused`]'s, flash attention's, explicit attention's in blocks of queries,
+//! [`crate::cross_entropy`]'s) where autodiff runs it.
 //! Each timing is the operation's own time (a timed operation inside another counts for the inner
 //! one only) and is booked to the pass that ran it ([`Pass`], set by [`pass`] around a forward
 //! pass, a backward pass or a decoding step), whose wall time is booked too: what no class took is
@@ -11,7 +12,8 @@
 //! its bookkeeping and the backward of the operations without one of their own).
 //!
 //! The products and the attention core have no timed backward of their own (Burn's autodiff
-//! computes them, or for explicit attention's softmax an untimed one of [`crate::fused`]), so
+//! computes them, or for explicit attention's softmax an untimed one of [`crate::fused`]; the
+//! attention core's is timed where it runs in blocks of queries, Flex beyond 128 positions), so
 //! their first forward call at each shape keeps a *replay*: the same
 //! operation on random tensors of the same shapes and dtypes, whose backward [`replay_backward`]
 //! times alone under autodiff.

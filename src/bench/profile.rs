@@ -4,7 +4,8 @@
 //! Ours come from [`diffzoo_models::profile`]: each class's own time where it runs, over the
 //! profiled steps (after the timed ones, so that the clock never touches the reported speed), and
 //! for the classes whose backward Burn's autodiff computes (the products, and attention but for
-//! flash's own backward) the backward of their replays timed alone at the step's shapes. PyTorch's
+//! flash's and the query blocks' own backward) the backward of their replays timed alone at the
+//! step's shapes. PyTorch's
 //! come from `torch.profiler` on the same steps (`bench/torch_reference.py --profile`), its
 //! operations labelled by the same classes. In both, `other` is what the pass took beyond its
 //! classes: residual adds, copies and reshapes, and backward the autodiff engine's bookkeeping with

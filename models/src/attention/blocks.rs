@@ -20,8 +20,9 @@
 //! dq_{r_i} = dS_i·k_{<e_i},   dk_{<e_i} += dS_iᵀ·q_{r_i},   dv_{<e_i} += A_iᵀ·dO_{r_i},   ∂λ = Σ_i ∂λ_i
 //! ```
 //!
-//! the explicit path's numbers (its products only skip terms that are zero), and its memory less
-//! the maps' upper blocks. Flex takes it for f32, under autodiff as one operation with this
+//! the explicit path's numbers (its products only skip terms that are zero; the key and value
+//! gradients' sums are added in another order, so they agree to f32 rounding), and its memory
+//! less the maps' upper blocks. Flex takes it for f32, under autodiff as one operation with this
 //! backward (Burn's autodiff of the same blocks pads each block's gradient of q, k and v to the
 //! whole tensor and adds them up, which cost what the blocks save); every other backend, and
 //! S ≤ [`BLOCK`], takes the explicit path.
@@ -36,7 +37,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Dispatch, Slice, TensorMetadata, backend_extension};
-use burn::tensor::{DType, Shape, Tensor};
+use burn::tensor::{Shape, Tensor};
 use core::ops::Range;
 
 /// Query positions per block.
@@ -165,7 +166,9 @@ default_ops!(CausalBlockOps, no_autodiff);
 /// Whether every tensor is f32 (Flex's one-pass maps take no other dtype).
 #[cfg(feature = "flex")]
 fn f32s(tensors: &[&FloatTensor<burn::backend::Flex>]) -> bool {
-    tensors.iter().all(|t| t.dtype() == DType::F32)
+    tensors
+        .iter()
+        .all(|t| t.dtype() == burn::tensor::DType::F32)
 }
 
 impl<B, C> CausalBlockOps for Autodiff<B, C>
@@ -314,6 +317,7 @@ impl Blocks {
 
 /// The output and, if `keep` (for the backward), the maps (per block A_i, then DIFF's two maps);
 /// `None` where a map is not taken.
+#[cfg(feature = "flex")]
 fn forward<B: FusedOps>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,

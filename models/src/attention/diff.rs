@@ -20,7 +20,8 @@
 //!
 //! The explicit path computes both maps with one batched matmul over the 2H' half-heads (no copy
 //! of Q or K; the `[B, 2H', S, S]` maps are then viewed as pairs; on Flex in f32, beyond 128
-//! positions, in blocks of queries: [`super::blocks`]) and applies `A₁ − λ·A₂` to V once; the fused and flash paths run one standard attention over the 2H' half-heads with V
+//! query positions, in blocks of queries: [`super::blocks`]) and applies `A₁ − λ·A₂` to V
+//! once; the fused and flash paths run one standard attention over the 2H' half-heads with V
 //! (width 2d) read by both halves of its head, and subtract the outputs: `A₁V − λ·A₂V` (same
 //! result by linearity; the gradients of the maps and of λ are in [`super::flash`]).
 
