@@ -29,14 +29,15 @@
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
 #![allow(deprecated)]
 
+use super::flash::{blocks, narrow, slices};
 use crate::fused::{FusedOps, register};
 use crate::profile::{self, Class};
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Autodiff, Backend, Dispatch, Slice, TensorMetadata, backend_extension};
+use burn::backend::{Autodiff, Backend, Dispatch, TensorMetadata, backend_extension};
 use burn::tensor::{Shape, Tensor};
 use core::ops::Range;
 
@@ -184,16 +185,7 @@ where
         let guards = [&q, &k, &v].map(|t| t.node());
         let [q, k, v] = [q, k, v].map(|t| t.into_primitive());
         let (out, maps) = B::causal_blocks_with_maps(q.clone(), k.clone(), v.clone())?;
-        Some(
-            match BlocksBackward
-                .prepare::<C>(guards)
-                .compute_bound()
-                .stateful()
-            {
-                OpsKind::Tracked(prep) => prep.finish((q, k, v, None, maps), out),
-                OpsKind::UnTracked(prep) => prep.finish(out),
-            },
-        )
+        Some(tracked::<B, C, 3>(guards, (q, k, v, None, maps), out))
     }
 
     fn differential_blocks(
@@ -206,16 +198,28 @@ where
         let [q, k, v, lambda] = [q, k, v, lambda].map(|t| t.into_primitive());
         let (out, maps) =
             B::differential_blocks_with_maps(q.clone(), k.clone(), v.clone(), lambda.clone())?;
-        Some(
-            match BlocksBackward
-                .prepare::<C>(guards)
-                .compute_bound()
-                .stateful()
-            {
-                OpsKind::Tracked(prep) => prep.finish((q, k, v, Some(lambda), maps), out),
-                OpsKind::UnTracked(prep) => prep.finish(out),
-            },
-        )
+        Some(tracked::<B, C, 4>(
+            guards,
+            (q, k, v, Some(lambda), maps),
+            out,
+        ))
+    }
+}
+
+/// `out` under autodiff, with [`BlocksBackward`] and `state` recorded where one of the `N`
+/// inputs of `guards` is tracked.
+fn tracked<B: Backend + FusedOps, C: CheckpointStrategy, const N: usize>(
+    guards: [NodeGuard; N],
+    state: State<B>,
+    out: FloatTensor<B>,
+) -> FloatTensor<Autodiff<B, C>> {
+    match BlocksBackward
+        .prepare::<C>(guards)
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(state, out),
+        OpsKind::UnTracked(prep) => prep.finish(out),
     }
 }
 
@@ -232,31 +236,19 @@ type State<B> = (
 #[derive(Debug)]
 struct BlocksBackward;
 
-impl<B: Backend + FusedOps> Backward<B, 3> for BlocksBackward {
+impl<B: Backend + FusedOps, const N: usize> Backward<B, N> for BlocksBackward {
     type State = State<B>;
 
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let (q, k, v, _, maps) = ops.state;
-        let grad = grads.consume::<B>(&ops.node);
-        let (dq, dk, dv, _) = profile::time(Class::Attention, || {
-            backward::<B>(q, k, v, None, maps, grad)
-        });
-        register::<B, 3>(grads, ops.parents.map(|p| p.map(|n| n.id)), [dq, dk, dv]);
-    }
-}
-
-impl<B: Backend + FusedOps> Backward<B, 4> for BlocksBackward {
-    type State = State<B>;
-
-    fn backward(self, ops: Ops<Self::State, 4>, grads: &mut Gradients, _: &mut Checkpointer) {
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
         let (q, k, v, lambda, maps) = ops.state;
         let grad = grads.consume::<B>(&ops.node);
         let (dq, dk, dv, d_lambda) = profile::time(Class::Attention, || {
             backward::<B>(q, k, v, lambda, maps, grad)
         });
-        let d_lambda = d_lambda.expect("DIFF's blocks give ∂λ");
-        let parents = ops.parents.map(|p| p.map(|n| n.id));
-        register::<B, 4>(grads, parents, [dq, dk, dv, d_lambda]);
+        // One gradient per parent: q, k, v, and λ for DIFF.
+        let mut gradients = [dq, dk, dv].into_iter().chain(d_lambda);
+        let gradients = core::array::from_fn(|_| gradients.next().expect("a gradient per parent"));
+        register::<B, N>(grads, ops.parents.map(|p| p.map(|n| n.id)), gradients);
     }
 }
 
@@ -288,10 +280,8 @@ impl Blocks {
 
     /// Each block's queries and the keys it sees, `..e_i`.
     fn each(&self) -> impl Iterator<Item = (Range<usize>, usize)> + use<> {
-        let (s, past) = (self.s, self.t - self.s);
-        (0..s)
-            .step_by(BLOCK)
-            .map(move |start| (start..(start + BLOCK).min(s), past + (start + BLOCK).min(s)))
+        let past = self.t - self.s;
+        blocks(self.s, BLOCK).map(move |rows| (rows.clone(), past + rows.end))
     }
 
     /// Rows `rows` of `x` `[B, H, S, n]` as the map's rows, `[B, G, n_rep·|rows|, n]` (query
@@ -431,19 +421,4 @@ fn add_prefix<B: Backend>(sum: &mut Option<FloatTensor<B>>, term: FloatTensor<B>
             B::float_slice_assign(term, &slices(&head.shape(), 2, 0..prefix), head)
         }
     });
-}
-
-/// `x[.., range, ..]` along dimension `dim` of a 4-d tensor.
-fn narrow<B: Backend>(x: &FloatTensor<B>, dim: usize, range: Range<usize>) -> FloatTensor<B> {
-    B::float_slice(x.clone(), &slices(&x.shape(), dim, range))
-}
-
-/// The slices of `shape` with `range` along `dim`.
-fn slices(shape: &Shape, dim: usize, range: Range<usize>) -> Vec<Slice> {
-    (0..shape.num_dims())
-        .map(|i| match i == dim {
-            true => Slice::from(range.clone()),
-            false => Slice::from(0..shape[i]),
-        })
-        .collect()
 }

@@ -62,7 +62,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Dispatch, Slice, TensorMetadata, backend_extension};
-use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorData};
 use core::ops::Range;
 
 /// Causal `softmax(q·kᵀ/√d)·v` in O(S) memory under autodiff. `q`, `k`: `[B, H, S, d]`,
@@ -237,26 +237,30 @@ impl<B: Backend + FlashAttentionOps> Backward<B, 3> for FlashBackward {
     }
 }
 
-/// Positions `0..len` cut into ranges of `block`.
-fn blocks(len: usize, block: usize) -> impl Iterator<Item = Range<usize>> {
+/// Positions `0..len` cut into ranges of `block` (also [`super::blocks`]' query blocks).
+pub(super) fn blocks(len: usize, block: usize) -> impl Iterator<Item = Range<usize>> {
     (0..len)
         .step_by(block)
         .map(move |start| start..(start + block).min(len))
 }
 
-/// `x[:, :, range]` along dimension `dim` of a 4-d tensor.
-fn narrow<B: Backend>(x: &FloatTensor<B>, dim: usize, range: Range<usize>) -> FloatTensor<B> {
-    let shape = x.shape();
-    let slices: Vec<Slice> = (0..4)
-        .map(|i| {
-            if i == dim {
-                Slice::from(range.clone())
-            } else {
-                Slice::from(0..shape[i])
-            }
+/// `x[.., range, ..]` along dimension `dim`.
+pub(super) fn narrow<B: Backend>(
+    x: &FloatTensor<B>,
+    dim: usize,
+    range: Range<usize>,
+) -> FloatTensor<B> {
+    B::float_slice(x.clone(), &slices(&x.shape(), dim, range))
+}
+
+/// The slices of all of `shape` but `range` along `dim`.
+pub(super) fn slices(shape: &Shape, dim: usize, range: Range<usize>) -> Vec<Slice> {
+    (0..shape.num_dims())
+        .map(|i| match i == dim {
+            true => Slice::from(range.clone()),
+            false => Slice::from(0..shape[i]),
         })
-        .collect();
-    B::float_slice(x.clone(), &slices)
+        .collect()
 }
 
 /// `[1, 1, n, n]` f32: 0 on and below the diagonal, −∞ above (a diagonal block's causal mask; its
