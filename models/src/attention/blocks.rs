@@ -38,6 +38,8 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Dispatch, TensorMetadata, backend_extension};
+#[cfg(feature = "flex")]
+use burn::tensor::DType;
 use burn::tensor::{Shape, Tensor};
 use core::ops::Range;
 
@@ -129,9 +131,7 @@ impl CausalBlockOps for burn::backend::Flex {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
     ) -> Option<FloatTensor<Self>> {
-        f32s(&[&q, &k, &v])
-            .then(|| forward::<Self>(q, k, v, None, false))?
-            .map(|(out, _)| out)
+        forward::<Self>(q, k, v, None, false).map(|(out, _)| out)
     }
 
     fn differential_blocks(
@@ -140,9 +140,7 @@ impl CausalBlockOps for burn::backend::Flex {
         v: FloatTensor<Self>,
         lambda: FloatTensor<Self>,
     ) -> Option<FloatTensor<Self>> {
-        f32s(&[&q, &k, &v])
-            .then(|| forward::<Self>(q, k, v, Some(lambda), false))?
-            .map(|(out, _)| out)
+        forward::<Self>(q, k, v, Some(lambda), false).map(|(out, _)| out)
     }
 
     fn causal_blocks_with_maps(
@@ -150,7 +148,7 @@ impl CausalBlockOps for burn::backend::Flex {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
     ) -> Option<(FloatTensor<Self>, Vec<FloatTensor<Self>>)> {
-        f32s(&[&q, &k, &v]).then(|| forward::<Self>(q, k, v, None, true))?
+        forward::<Self>(q, k, v, None, true)
     }
 
     fn differential_blocks_with_maps(
@@ -159,18 +157,10 @@ impl CausalBlockOps for burn::backend::Flex {
         v: FloatTensor<Self>,
         lambda: FloatTensor<Self>,
     ) -> Option<(FloatTensor<Self>, Vec<FloatTensor<Self>>)> {
-        f32s(&[&q, &k, &v]).then(|| forward::<Self>(q, k, v, Some(lambda), true))?
+        forward::<Self>(q, k, v, Some(lambda), true)
     }
 }
 default_ops!(CausalBlockOps, no_autodiff);
-
-/// Whether every tensor is f32 (Flex's one-pass maps take no other dtype).
-#[cfg(feature = "flex")]
-fn f32s(tensors: &[&FloatTensor<burn::backend::Flex>]) -> bool {
-    tensors
-        .iter()
-        .all(|t| t.dtype() == burn::tensor::DType::F32)
-}
 
 impl<B, C> CausalBlockOps for Autodiff<B, C>
 where
@@ -306,7 +296,8 @@ impl Blocks {
 }
 
 /// The output and, if `keep` (for the backward), the maps (per block A_i, then DIFF's two maps);
-/// `None` where a map is not taken.
+/// `None` for inputs other than f32 (Flex's one-pass maps take no other dtype) and where a map is
+/// not taken.
 #[cfg(feature = "flex")]
 fn forward<B: FusedOps>(
     q: FloatTensor<B>,
@@ -315,6 +306,9 @@ fn forward<B: FusedOps>(
     lambda: Option<FloatTensor<B>>,
     keep: bool,
 ) -> Option<(FloatTensor<B>, Vec<FloatTensor<B>>)> {
+    if [&q, &k, &v].iter().any(|t| t.dtype() != DType::F32) {
+        return None;
+    }
     let blocks = Blocks::of::<B>(&q, &k);
     let mut outs = Vec::new();
     let mut maps = Vec::new();
