@@ -954,7 +954,7 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
     });
     drop(trained);
     let mut step_profile = booked.map(|booked| {
-        let replayed = clock::replay_backward(&booked.replays, &training, args.reps);
+        let replayed = clock::replay_backward(&booked, &training, args.reps);
         profile::step(&booked, args.reps, &replayed)
     });
 

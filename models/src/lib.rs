@@ -15,6 +15,7 @@
 //! | parameter counts, FLOPs, KV cache size | [`budget`] |
 //! | incremental decoding (KV cache) | [`cache`] |
 //! | decoding's few-row products, split across threads | [`rows`] |
+//! | training's products, written straight into their output (Flex) | [`product`] |
 //! | the threads that stay awake between those products | [`team`] |
 //! | per-block activation recomputation | [`recompute`] |
 //! | a pretrained baseline converted to DIFF V1 or V2 | [`convert`] |
@@ -67,6 +68,7 @@ pub mod feed_forward;
 pub mod fused;
 pub mod model;
 pub mod precision;
+pub mod product;
 pub mod profile;
 pub mod recompute;
 pub mod rows;

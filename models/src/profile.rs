@@ -4,17 +4,18 @@
 //! products, the attention core, RMSNorm, RoPE, SwiGLU's gate, the embedding and the loss — is
 //! timed where the decoder calls it, and so is the backward of those with their own
 //! ([`crate::fused`]'s, flash attention's, explicit attention's in blocks of queries,
-//! [`crate::cross_entropy`]'s) where autodiff runs it.
+//! [`crate::cross_entropy`]'s, the products' on Flex in f32 ([`crate::product`])) where autodiff
+//! runs it.
 //! Each timing is the operation's own time (a timed operation inside another counts for the inner
 //! one only) and is booked to the pass that ran it ([`Pass`], set by [`pass`] around a forward
 //! pass, a backward pass or a decoding step), whose wall time is booked too: what no class took is
 //! the pass's remainder (residual adds, layout copies, and in the backward pass Burn's autodiff:
 //! its bookkeeping and the backward of the operations without one of their own).
 //!
-//! The products and the attention core have no timed backward of their own (Burn's autodiff
-//! computes them, or for explicit attention's softmax an untimed one of [`crate::fused`]; the
-//! attention core's is timed where it runs in blocks of queries, Flex beyond 128 positions), so
-//! their first forward call at each shape keeps a *replay*: the same
+//! Elsewhere the products and the attention core have no timed backward of their own (Burn's
+//! autodiff computes them, or for explicit attention's softmax an untimed one of
+//! [`crate::fused`]), so their first forward call at each shape keeps a *replay* (on Flex too,
+//! where a class whose backward was timed where it runs does not use it): the same
 //! operation on random tensors of the same shapes and dtypes, whose backward [`replay_backward`]
 //! times alone under autodiff.
 //!
@@ -226,18 +227,19 @@ where
     out
 }
 
-/// Each class's backward time over the forward passes that kept `replays` (each replay times as many
-/// backwards as it had calls), on `device` (with autodiff), each the
-/// median of `reps` repetitions.
+/// Each class's backward time over the forward passes that kept `booked`'s replays (each replay
+/// times as many backwards as it had calls), on `device` (with autodiff), each the median of
+/// `reps` repetitions; but for the classes whose backward `booked` timed where it ran.
 pub fn replay_backward(
-    replays: &[Replay],
+    booked: &Profile,
     device: &Device,
     reps: usize,
 ) -> BTreeMap<Class, Duration> {
     // The clock stays off meanwhile: a replayed backward of its own would book itself.
     let was = ENABLED.swap(false, Ordering::Relaxed);
     let mut times = BTreeMap::new();
-    for replay in replays {
+    let untimed = |r: &&Replay| booked.own(Pass::Backward, r.class).is_zero();
+    for replay in booked.replays.iter().filter(untimed) {
         *times.entry(replay.class).or_default() +=
             (replay.backward)(device, reps) * replay.calls as u32;
     }
@@ -295,12 +297,14 @@ mod tests {
         let model = ModelConfig::new(kind, 32, 2, 4, 64, 16)
             .init(&device)
             .with_attention_impl(implementation);
-        let tokens = Tensor::<2, Int>::from_ints([[1, 5, 9, 3, 7, 2, 8, 4]], &device);
-        let targets = Tensor::<1, Int>::from_ints([5, 9, 3, 7, 2, 8, 4, 6], &device);
+        // 40 rows per product: more than the few-row kernels take (`rows::KERNEL_ROWS`).
+        let tokens = Tensor::<2, Int>::from_ints([[1, 5, 9, 3, 7, 2, 8, 4]; 5], &device);
+        let targets =
+            Tensor::<1, Int>::from_ints([5, 9, 3, 7, 2, 8, 4, 6], &device).repeat_dim(0, 5);
         take();
         enable(true);
         let loss = pass(Pass::Forward, || {
-            cross_entropy(model.forward(tokens).reshape([8, 64]), targets)
+            cross_entropy(model.forward(tokens).reshape([40, 64]), targets)
         });
         pass(Pass::Backward, || loss.backward());
         enable(false);
@@ -340,8 +344,10 @@ mod tests {
             .map(|r| r.calls)
             .sum();
         assert_eq!(attention, 2);
-        let replayed = replay_backward(&booked.replays, &Device::flex().autodiff(), 1);
-        assert!(replayed.keys().eq([Class::Matmul, Class::Attention].iter()));
+        // Flex's f32 products time their own backward where it runs: not replayed.
+        assert!(!booked.own(Pass::Backward, Class::Matmul).is_zero());
+        let replayed = replay_backward(&booked, &Device::flex().autodiff(), 1);
+        assert!(replayed.keys().eq([Class::Attention].iter()));
     }
 
     #[test]

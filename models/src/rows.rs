@@ -85,19 +85,19 @@ pub fn linear(linear: &Linear, x: Tensor<3>) -> Tensor<3> {
 }
 
 /// `x·w` for `x` `[m, k]` and `w` `[k, n]` (`w` cast to x's dtype): by [`rows_matmul`] when
-/// 1 ≤ m ≤ [`kernel_rows`], else the plain product.
+/// 1 ≤ m ≤ [`kernel_rows`], else by [`crate::product::product`].
 pub fn matmul(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
-    profile::op(Class::Matmul, "matmul", [x, w], |[x, w]| product(x, w))
+    profile::op(Class::Matmul, "matmul", [x, w], |[x, w]| multiply(x, w))
 }
 
-/// [`matmul`]'s product, unprofiled.
-fn product(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
+/// [`matmul`], unprofiled.
+fn multiply(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
     let most = kernel_rows(w.dtype());
     match x.dims()[0] {
         m if (1..=most).contains(&m) => rows_matmul(x, w),
         _ => {
             let dtype = x.dtype();
-            x.matmul(w.cast(dtype))
+            crate::product::product(x, w.cast(dtype))
         }
     }
 }

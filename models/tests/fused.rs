@@ -9,9 +9,10 @@ use burn::backend::Dispatch;
 use burn::module::{Module, Param};
 use burn::nn::{RmsNormConfig, RotaryEncodingConfig};
 use burn::tensor::activation::silu;
-use burn::tensor::{Device, Distribution, Tensor};
+use burn::tensor::{DType, Device, Distribution, Tensor};
 use common::{assert_close, backends};
 use diffzoo_models::fused::{self, FusedOps};
+use diffzoo_models::product::{ProductOps, product};
 
 fn random<const D: usize>(shape: [usize; D], device: &Device) -> Tensor<D> {
     Tensor::random(shape, Distribution::Normal(0.0, 2.0), device)
@@ -912,4 +913,183 @@ fn attention_in_blocks_gives_the_explicit_paths_values_and_gradients() {
             "{backend}"
         );
     }
+}
+
+/// `product`'s operands: 2-D and batched, one product on rayon's threads (200³ multiply-adds), a
+/// batch spread over them (8 × 64³) and one of 2 large products each on them; k = 0 and m = 0.
+const PRODUCTS: [([usize; 4], usize); 7] = [
+    ([1, 1, 5, 7], 3),
+    ([1, 1, 200, 200], 200),
+    ([2, 3, 9, 16], 11),
+    ([2, 4, 64, 64], 64),
+    ([1, 2, 200, 200], 200),
+    ([1, 1, 3, 0], 4),
+    ([1, 2, 0, 5], 4),
+];
+
+/// Whether `backend` takes a [`PRODUCTS`] case: Flex all (the others' product is their own:
+/// NdArray's divides by the zero size of empty matrices, WGPU's software Vulkan takes a minute
+/// for the large ones), the others the small ones.
+fn takes(backend: &str, ([batch, heads, m, k], n): ([usize; 4], usize)) -> bool {
+    backend == "flex" || (1..100_000).contains(&(batch * heads * m * k * n))
+}
+
+/// `a` `[B, H, m, k]` and `b` `[B, H, k, n]` of a [`PRODUCTS`] case.
+fn operands(([batch, heads, m, k], n): ([usize; 4], usize), device: &Device) -> [Tensor<4>; 2] {
+    [
+        random([batch, heads, m, k], device),
+        random([batch, heads, k, n], device),
+    ]
+}
+
+/// The ways a product's operands arrive: as they are, stored column after column (the
+/// backward's transposed operands), the rows of a block of queries (narrowed), b's columns
+/// narrowed (an offset into its storage), b repeated along the batch (stride 0, GQA's repeated
+/// keys) and a's heads permuted out of a `[B, m, H, k]` layout (attention's queries).
+fn views(a: Tensor<4>, b: Tensor<4>) -> Vec<(&'static str, Tensor<4>, Tensor<4>)> {
+    let [batch, heads, m, k] = a.dims();
+    let n = b.dims()[3];
+    let device = a.device();
+    let transposed = |t: &Tensor<4>| {
+        let [batch, heads, rows, columns] = t.dims();
+        random([batch, heads, columns, rows], &device).swap_dims(2, 3)
+    };
+    let mut views = vec![
+        ("contiguous", a.clone(), b.clone()),
+        ("transposed", transposed(&a), transposed(&b)),
+        (
+            "a's heads permuted",
+            random([batch, m, heads, k], &device).swap_dims(1, 2),
+            b.clone(),
+        ),
+    ];
+    if k * n > 0 {
+        // (`expand` takes no empty dimension.)
+        let repeated = random([1, 1, k, n], &device).expand([batch, heads, k, n]);
+        views.push(("b repeated along the batch", a.clone(), repeated));
+    }
+    if m > 1 && k > 0 {
+        views.push(("narrowed rows", a.clone().narrow(2, 1, m - 1), b.clone()));
+    }
+    if n > 1 {
+        views.push(("narrowed columns", a.clone(), b.clone().narrow(3, 1, n - 1)));
+    }
+    views
+}
+
+/// [`assert_close`], and for empty tensors (k or m 0) their shapes.
+fn close<const D: usize>(what: &str, a: Tensor<D>, b: Tensor<D>, atol: f32, rtol: f32) {
+    match b.shape().num_elements() {
+        0 => assert_eq!(a.dims(), b.dims(), "{what}"),
+        _ => assert_close(what, a, b, atol, rtol),
+    }
+}
+
+/// `product(a, b)` against Burn's `a.matmul(b)`: on Flex taken (not its fallback) and equal bit
+/// for bit (the same gemm calls), elsewhere the backend's own product.
+fn check_product<const D: usize>(what: &str, backend: &str, a: Tensor<D>, b: Tensor<D>) {
+    if backend == "flex" {
+        let taken =
+            <Dispatch as ProductOps>::product(a.clone().into_dispatch(), b.clone().into_dispatch());
+        assert!(taken.is_some(), "{what}: Flex takes it");
+    }
+    let theirs = a.clone().matmul(b.clone());
+    close(what, product(a, b), theirs, 0.0, 0.0);
+}
+
+#[test]
+fn product_equals_burns_matmul() {
+    for (backend, device) in backends() {
+        for case in PRODUCTS.into_iter().filter(|&case| takes(backend, case)) {
+            let [a, b] = operands(case, &device);
+            for (view, a, b) in views(a, b) {
+                check_product(&format!("{backend}: {case:?}, {view}"), backend, a, b);
+            }
+            let ([batch, heads, m, k], n) = case;
+            if m * k * n > 0 {
+                // One batch dimension, and 2-D with b a transposed view: a tied head's weight.
+                let what = format!("{backend}: {case:?}");
+                let a3 = random([batch * heads, m, k], &device);
+                let b3 = random([batch * heads, k, n], &device);
+                check_product(&format!("{what}, 3-D"), backend, a3, b3);
+                let a2 = random([m, k], &device);
+                let embedding = random([n, k], &device);
+                check_product(
+                    &format!("{what}, 2-D, b transposed"),
+                    backend,
+                    a2,
+                    embedding.transpose(),
+                );
+            }
+        }
+        // Batch dimensions Burn's product broadcasts are its own.
+        let a = random([1, 3, 4, 5], &device);
+        let b = random([2, 3, 5, 6], &device);
+        let what = format!("{backend}: broadcast batch");
+        assert_close(&what, product(a.clone(), b.clone()), a.matmul(b), 0.0, 0.0);
+    }
+}
+
+#[test]
+fn product_gradients_are_burns_under_autodiff() {
+    for (backend, device) in backends() {
+        let device = device.autodiff();
+        for case in PRODUCTS.into_iter().filter(|&case| takes(backend, case)) {
+            let [a, b] = operands(case, &device);
+            for (view, a, b) in views(a, b) {
+                let what = format!("{backend}: {case:?}, {view}");
+                let [a, b] = [a, b].map(|t| t.detach().require_grad());
+                let weights = random(a.clone().matmul(b.clone()).dims(), &device);
+                // Both operands tracked, then each alone (the other's gradient neither kept nor
+                // computed).
+                for (tracked, a, b) in [
+                    ("a and b", a.clone(), b.clone()),
+                    ("a", a.clone(), b.clone().detach()),
+                    ("b", a.clone().detach(), b.clone()),
+                ] {
+                    let ours = (product(a.clone(), b.clone()) * weights.clone())
+                        .sum()
+                        .backward();
+                    let theirs = (a.clone().matmul(b.clone()) * weights.clone())
+                        .sum()
+                        .backward();
+                    for (name, x) in [("∂a", &a), ("∂b", &b)] {
+                        match (x.grad(&ours), x.grad(&theirs)) {
+                            (Some(ours), Some(theirs)) => close(
+                                &format!("{what}, {tracked} tracked: {name}"),
+                                ours,
+                                theirs,
+                                1e-4,
+                                1e-5,
+                            ),
+                            (None, None) => {}
+                            (ours, theirs) => panic!(
+                                "{what}, {tracked} tracked: {name} ours {:?}, Burn's {:?}",
+                                ours.map(|g| g.dims()),
+                                theirs.map(|g| g.dims())
+                            ),
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn flex_takes_the_product_in_f32_under_autodiff() {
+    let device = Device::flex().autodiff();
+    let take = |a: Tensor<4>, b: Tensor<4>| {
+        <Dispatch as ProductOps>::product(a.into_dispatch(), b.into_dispatch()).is_some()
+    };
+    let [a, b] = operands(([2, 3, 9, 16], 11), &device).map(|t| t.require_grad());
+    assert!(take(a.clone(), b.clone()), "f32");
+    assert!(
+        !take(a.clone().cast(DType::BF16), b.clone().cast(DType::BF16)),
+        "bf16 is Flex's own product"
+    );
+    assert!(
+        !take(a.narrow(0, 0, 1), b),
+        "broadcast batch dimensions are Flex's own product"
+    );
 }

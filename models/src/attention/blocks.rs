@@ -31,6 +31,7 @@
 
 use super::flash::{blocks, narrow, slices};
 use crate::fused::{FusedOps, register};
+use crate::product::{ProductOps, matmul};
 use crate::profile::{self, Class};
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -164,7 +165,7 @@ default_ops!(CausalBlockOps, no_autodiff);
 
 impl<B, C> CausalBlockOps for Autodiff<B, C>
 where
-    B: Backend + CausalBlockOps + FusedOps,
+    B: Backend + CausalBlockOps + FusedOps + ProductOps,
     C: CheckpointStrategy,
 {
     fn causal_blocks(
@@ -198,7 +199,7 @@ where
 
 /// `out` under autodiff, with [`BlocksBackward`] and `state` recorded where one of the `N`
 /// inputs of `guards` is tracked.
-fn tracked<B: Backend + FusedOps, C: CheckpointStrategy, const N: usize>(
+fn tracked<B: Backend + FusedOps + ProductOps, C: CheckpointStrategy, const N: usize>(
     guards: [NodeGuard; N],
     state: State<B>,
     out: FloatTensor<B>,
@@ -226,7 +227,7 @@ type State<B> = (
 #[derive(Debug)]
 struct BlocksBackward;
 
-impl<B: Backend + FusedOps, const N: usize> Backward<B, N> for BlocksBackward {
+impl<B: Backend + FusedOps + ProductOps, const N: usize> Backward<B, N> for BlocksBackward {
     type State = State<B>;
 
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
@@ -299,7 +300,7 @@ impl Blocks {
 /// `None` for inputs other than f32 (Flex's one-pass maps take no other dtype) and where a map is
 /// not taken.
 #[cfg(feature = "flex")]
-fn forward<B: FusedOps>(
+fn forward<B: FusedOps + ProductOps>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,
     v: FloatTensor<B>,
@@ -318,19 +319,19 @@ fn forward<B: FusedOps>(
         let n = rows.len();
         let out = match &lambda {
             None => {
-                let scores = B::float_matmul(blocks.rows::<B>(&q, &rows), keys);
+                let scores = matmul::<B>(blocks.rows::<B>(&q, &rows), keys);
                 let map = B::causal_softmax(scores, n, blocks.scale)?;
-                let out = B::float_matmul(map.clone(), values);
+                let out = matmul::<B>(map.clone(), values);
                 if keep {
                     maps.push(map);
                 }
                 blocks.unstack::<B>(out, n)
             }
             Some(lambda) => {
-                let scores = B::float_matmul(narrow::<B>(&q, 2, rows), keys);
+                let scores = matmul::<B>(narrow::<B>(&q, 2, rows), keys);
                 let (map, pair) =
                     B::differential_softmax_with_maps(scores, n, blocks.scale, lambda.clone())?;
-                let out = B::float_matmul(map.clone(), values);
+                let out = matmul::<B>(map.clone(), values);
                 if keep {
                     maps.extend([map, pair]);
                 }
@@ -343,7 +344,7 @@ fn forward<B: FusedOps>(
 }
 
 /// `(dq, dk, dv, ∂λ)` from the forward's inputs, its maps and the output's `grad`.
-fn backward<B: FusedOps>(
+fn backward<B: FusedOps + ProductOps>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,
     v: FloatTensor<B>,
@@ -372,10 +373,10 @@ fn backward<B: FusedOps>(
                 narrow::<B>(&grad, 2, rows),
             ),
         };
-        let d_map = B::float_matmul(grad.clone(), B::float_swap_dims(values, 2, 3));
+        let d_map = matmul::<B>(grad.clone(), B::float_swap_dims(values, 2, 3));
         add_prefix::<B>(
             &mut dv,
-            B::float_matmul(B::float_swap_dims(map.clone(), 2, 3), grad),
+            matmul::<B>(B::float_swap_dims(map.clone(), 2, 3), grad),
         );
         let d_scores = match &lambda {
             None => B::causal_softmax_backward(map, d_map, blocks.scale),
@@ -390,14 +391,14 @@ fn backward<B: FusedOps>(
                 d_scores
             }
         };
-        let d_queries = B::float_matmul(d_scores.clone(), keys);
+        let d_queries = matmul::<B>(d_scores.clone(), keys);
         dq.push(match diff {
             false => blocks.unstack::<B>(d_queries, n),
             true => d_queries,
         });
         add_prefix::<B>(
             &mut dk,
-            B::float_matmul(B::float_swap_dims(d_scores, 2, 3), queries),
+            matmul::<B>(B::float_swap_dims(d_scores, 2, 3), queries),
         );
     }
     let whole = |x: Option<FloatTensor<B>>| x.expect("at least one block");
