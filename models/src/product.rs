@@ -58,12 +58,22 @@ pub trait ProductOps: Backend {
     fn product(_a: FloatTensor<Self>, _b: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
         None
     }
+
+    /// Whether `t`'s matrices are stored column after column (a transposed view, such as a tied
+    /// head's `Eᵀ`), where the backend tells.
+    fn column_major(_t: &FloatTensor<Self>) -> bool {
+        false
+    }
 }
 
 #[cfg(feature = "flex")]
 impl ProductOps for burn::backend::Flex {
     fn product(a: FloatTensor<Self>, b: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
         flex::product(&a, &b)
+    }
+
+    fn column_major(t: &FloatTensor<Self>) -> bool {
+        flex::column_major(t)
     }
 }
 default_ops!(ProductOps, no_autodiff);
@@ -74,12 +84,11 @@ impl<B: ProductOps, C: CheckpointStrategy> ProductOps for Autodiff<B, C> {
         let guards = [a.node(), b.node()];
         let [a, b] = [a, b].map(|t| t.into_primitive());
         let out = B::product(a.clone(), b.clone())?;
+        let backward = ProductBackward {
+            columns: [&a, &b].map(B::column_major),
+        };
         Some(
-            match ProductBackward
-                .prepare::<C>(guards)
-                .compute_bound()
-                .stateful()
-            {
+            match backward.prepare::<C>(guards).compute_bound().stateful() {
                 // Each operand only for the other's gradient.
                 OpsKind::Tracked(prep) => {
                     prep.finish((b_tracked.then_some(a), a_tracked.then_some(b)), out)
@@ -90,9 +99,15 @@ impl<B: ProductOps, C: CheckpointStrategy> ProductOps for Autodiff<B, C> {
     }
 }
 
-/// The module's backward: `∂a = ∂c·bᵀ`, `∂b = aᵀ·∂c`, each where its operand is tracked.
+/// The module's backward: `∂a = ∂c·bᵀ`, `∂b = aᵀ·∂c`, each where its operand is tracked, in its
+/// operand's layout: for an operand stored column after column, the transpose of `b·∂cᵀ` or
+/// `∂cᵀ·a` (so that a tied head's gradient adds to the embedding's row by row, not across a
+/// transposed view of vocab × d).
 #[derive(Debug)]
-struct ProductBackward;
+struct ProductBackward {
+    /// Whether a and b are stored column after column.
+    columns: [bool; 2],
+}
 
 impl<B: ProductOps> Backward<B, 2> for ProductBackward {
     /// `a` where `b` is tracked, `b` where `a` is.
@@ -104,12 +119,21 @@ impl<B: ProductOps> Backward<B, 2> for ProductBackward {
         let [a_parent, b_parent] = ops.parents.map(|p| p.map(|n| n.id));
         profile::time(Class::Matmul, || {
             let rank = grad.shape().num_dims();
-            let transpose = |x: FloatTensor<B>| B::float_swap_dims(x, rank - 2, rank - 1);
+            let t = |x: FloatTensor<B>| B::float_swap_dims(x, rank - 2, rank - 1);
+            let [a_columns, b_columns] = self.columns;
             if let (Some(id), Some(b)) = (a_parent, b) {
-                register::<B, 1>(grads, [Some(id)], [matmul::<B>(grad.clone(), transpose(b))]);
+                let d_a = match a_columns {
+                    false => matmul::<B>(grad.clone(), t(b)),
+                    true => t(matmul::<B>(b, t(grad.clone()))),
+                };
+                register::<B, 1>(grads, [Some(id)], [d_a]);
             }
             if let (Some(id), Some(a)) = (b_parent, a) {
-                register::<B, 1>(grads, [Some(id)], [matmul::<B>(transpose(a), grad)]);
+                let d_b = match b_columns {
+                    false => matmul::<B>(t(a), grad),
+                    true => t(matmul::<B>(t(grad), a)),
+                };
+                register::<B, 1>(grads, [Some(id)], [d_b]);
             }
         });
     }
@@ -171,6 +195,14 @@ mod flex {
             // SAFETY: the layout's offsets lie inside its storage.
             unsafe { self.data.as_ptr().offset(self.starts[batch]) }
         }
+    }
+
+    /// Whether `t`'s matrices are stored column after column: rows next to each other, columns
+    /// apart.
+    pub(super) fn column_major(t: &FloatTensor<Flex>) -> bool {
+        let strides = t.layout().strides();
+        let rank = strides.len();
+        rank >= 2 && strides[rank - 2] == 1 && strides[rank - 1] != 1
     }
 
     /// `a·b` for f32 `a` `[.., m, k]` and `b` `[.., k, n]` of the same batch dimensions (any
