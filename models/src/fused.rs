@@ -47,7 +47,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, TensorMetadata, backend_extension};
 use burn::nn::{RmsNorm, RotaryEncoding};
 use burn::tensor::activation::{silu, softmax};
-use burn::tensor::{Bool, Scalar, Shape, Slice, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Scalar, Shape, Slice, Tensor, TensorData};
 
 /// `silu(gate) ⊙ up` (SwiGLU's gating), in one pass where Flex takes it.
 pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
@@ -229,6 +229,16 @@ pub fn pair_difference_plain(pairs: Tensor<4>, lambda: Tensor<3>) -> Tensor<4> {
     first - second * lambda.swap_dims(1, 2).unsqueeze_dim::<4>(3)
 }
 
+/// `Σ xᵢ²` of `x` in f32, as a tensor `[1]`: one pass on Flex for a contiguous f32 `x` (parts
+/// over rayon's threads, each summed in sixteen lanes, the parts added in order: the same sum on
+/// every run), elsewhere `x.cast(f32).powf_scalar(2).sum()` (a tensor of squares, then its sum).
+/// For the global norm of the gradients, which reads every one.
+pub fn sum_of_squares(x: Tensor<1>) -> Tensor<1> {
+    <burn::backend::Dispatch as FusedOps>::sum_of_squares(x.clone().into_dispatch())
+        .map(Tensor::from_dispatch)
+        .unwrap_or_else(|| x.cast(DType::F32).powf_scalar(2.0).sum())
+}
+
 /// AdamW's numbers for one step t of one parameter: β₁, β₂, ε, the bias corrections
 /// c₁ = 1 − β₁ᵗ and c₂ = 1 − β₂ᵗ, the decay factor `keep` = 1 − lr·λ (1 without weight decay) and
 /// the learning rate.
@@ -359,6 +369,11 @@ pub trait FusedOps: Backend {
         step: AdamWStep,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         adamw_plain::<Self>(param, grad, moment_1, moment_2, step)
+    }
+
+    /// [`sum_of_squares`] of `x`; `None`: not taken.
+    fn sum_of_squares(_x: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        None
     }
 
     /// [`causal_softmax`] of `scores` `[.., R, T]`; `None`: not taken.
@@ -576,6 +591,10 @@ impl FusedOps for burn::backend::Flex {
             true => flex::adamw(param, &grad, moment_1, moment_2, step),
             false => adamw_plain::<Self>(param, grad, moment_1, moment_2, step),
         }
+    }
+
+    fn sum_of_squares(x: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        flex::sum_of_squares(&x)
     }
 }
 default_ops!(FusedOps, no_autodiff);
@@ -1103,6 +1122,18 @@ pub(crate) mod flex {
             true => t,
             false => like(elements(&t).expect("checked by adamw_takes").to_vec(), &t),
         }
+    }
+
+    /// [`super::sum_of_squares`] of a contiguous f32 `x` (`None` otherwise).
+    pub(super) fn sum_of_squares(x: &FloatTensor<Flex>) -> Option<FloatTensor<Flex>> {
+        const PART: usize = 1 << 16;
+        let xs = elements(x)?;
+        let parts: Vec<f32> = xs.par_chunks(PART).map(|p| dot(p, p)).collect();
+        let sum = parts.iter().sum::<f32>();
+        Some(Flex::float_from_data(
+            TensorData::new(vec![sum], [1]),
+            &x.device(),
+        ))
     }
 
     /// [`super::adamw`] in one pass over rayon's threads, for tensors [`adamw_takes`] takes.

@@ -1093,3 +1093,16 @@ fn flex_takes_the_product_in_f32_under_autodiff() {
         "broadcast batch dimensions are Flex's own product"
     );
 }
+
+#[test]
+fn sum_of_squares_equals_burns_squares_summed() {
+    for (backend, device) in backends() {
+        // One element, a tail of sixteen lanes, more than one part of the pass.
+        for len in [1, 37, 70_000, 200_003] {
+            let x = random([len], &device);
+            let theirs = x.clone().powf_scalar(2.0).sum();
+            let what = format!("{backend}: {len}");
+            assert_close(&what, fused::sum_of_squares(x), theirs, 0.0, 1e-5);
+        }
+    }
+}

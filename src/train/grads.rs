@@ -4,7 +4,8 @@
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::Tensor;
+use diffzoo_models::fused;
 
 /// Visits every float parameter's gradient.
 struct EachGrad<'a, F: FnMut(Tensor<1>) -> Tensor<1>> {
@@ -31,16 +32,19 @@ fn map_grads<M: Module>(
     model.visit(&mut EachGrad { grads, f });
 }
 
-/// Multiplies every gradient by `factor`.
+/// Multiplies every gradient by `factor` (1: leaves them as they are, without a pass over them).
 pub fn scale<M: Module>(model: &M, grads: &mut GradientsParams, factor: f64) {
-    map_grads(model, grads, |g| g.mul_scalar(factor));
+    if factor != 1.0 {
+        map_grads(model, grads, |g| g.mul_scalar(factor));
+    }
 }
 
-/// The L2 norm of all gradients together, computed in f32.
+/// The L2 norm of all gradients together, computed in f32 (each gradient's sum of squares in one
+/// pass where the backend has it, [`fused::sum_of_squares`]).
 pub fn global_norm<M: Module>(model: &M, grads: &mut GradientsParams) -> f64 {
     let mut total: Option<Tensor<1>> = None;
     map_grads(model, grads, |g| {
-        let squares = g.clone().cast(DType::F32).powf_scalar(2.0).sum();
+        let squares = fused::sum_of_squares(g.clone());
         total = Some(match total.take() {
             Some(t) => t + squares,
             None => squares,
