@@ -1,5 +1,6 @@
-//! RMSNorm, RoPE, SwiGLU's gate, attention's causal softmax, DIFF attention's differential map and
-//! AdamW's update as the decoder and trainer compute them, each in one pass on Flex:
+//! RMSNorm, RoPE, SwiGLU's gate, attention's causal softmax, DIFF attention's differential map,
+//! AdamW's update and the gradients' sum of squares as the decoder and trainer compute them, each
+//! in one pass on Flex:
 //!
 //! ```text
 //! RMSNorm(x) = x / √(mean(x²) + ε) · γ                      (per row, mean over d_model)
@@ -27,7 +28,7 @@
 //! PairDifference: ∂x₁ = d,   ∂x₂ = −λ·d,   ∂λ = −⟨d, x₂⟩   (summed where λ is broadcast)
 //! ```
 //!
-//! and AdamW as [`adamw`] states it. Burn's ops spend a dozen passes (and as many tensors) on each,
+//! and AdamW as [`adamw`] states it, and `Σ xᵢ²` ([`sum_of_squares`], no autodiff). Burn's ops spend a dozen passes (and as many tensors) on each,
 //! and autodiff as many again backward: with Flex in f32 a decoding step at a 135M model's shape
 //! made about 50 such small ops per layer. Here each is one pass, taken by Flex for contiguous f32
 //! tensors, under autodiff as one operation with the backward above; every other backend or dtype
@@ -1129,7 +1130,8 @@ pub(crate) mod flex {
         const PART: usize = 1 << 16;
         let xs = elements(x)?;
         let parts: Vec<f32> = xs.par_chunks(PART).map(|p| dot(p, p)).collect();
-        let sum = parts.iter().sum::<f32>();
+        // From +0 (std's f32 sum starts at −0, which an empty x would give).
+        let sum = parts.iter().fold(0.0f32, |sum, part| sum + part);
         Some(Flex::float_from_data(
             TensorData::new(vec![sum], [1]),
             &x.device(),

@@ -13,8 +13,9 @@
 //! every output that add nothing (~5% of a training step at d 256, 4 layers, in `perf`). Here, on
 //! Flex and in f32, gemm writes straight into a new buffer that nothing else touches, with the
 //! same kernels, blocking and threads as Flex's product, so the numbers are Flex's own, bit for
-//! bit: a batch of 4 or more products of 128³ multiply-adds or more in all spread over rayon's
-//! threads, one product each; else one product of 192³ or more on all of them; else one thread.
+//! bit: a product of 192³ multiply-adds or more runs on all of rayon's threads unless it is one of
+//! 4 or more, which with 128³ or more in all are spread over the threads one product each, as
+//! are 2 or 3 smaller ones with 128³ or more in all; the rest run on one thread.
 //! Under autodiff this is one operation with the backward above, whose two products are taken the
 //! same way (timed as `matmul` by [`crate::profile`]). Other backends, dtypes and batch shapes keep
 //! the backend's product and Burn's autodiff of it.
@@ -117,25 +118,26 @@ impl<B: ProductOps> Backward<B, 2> for ProductBackward {
         let (a, b) = ops.state;
         let grad = grads.consume::<B>(&ops.node);
         let [a_parent, b_parent] = ops.parents.map(|p| p.map(|n| n.id));
-        profile::time(Class::Matmul, || {
-            let rank = grad.shape().num_dims();
-            let t = |x: FloatTensor<B>| B::float_swap_dims(x, rank - 2, rank - 1);
-            let [a_columns, b_columns] = self.columns;
-            if let (Some(id), Some(b)) = (a_parent, b) {
-                let d_a = match a_columns {
-                    false => matmul::<B>(grad.clone(), t(b)),
-                    true => t(matmul::<B>(b, t(grad.clone()))),
-                };
-                register::<B, 1>(grads, [Some(id)], [d_a]);
-            }
-            if let (Some(id), Some(a)) = (b_parent, a) {
-                let d_b = match b_columns {
-                    false => matmul::<B>(t(a), grad),
-                    true => t(matmul::<B>(t(grad), a)),
-                };
-                register::<B, 1>(grads, [Some(id)], [d_b]);
-            }
+        let rank = grad.shape().num_dims();
+        let t = |x: FloatTensor<B>| B::float_swap_dims(x, rank - 2, rank - 1);
+        let [a_columns, b_columns] = self.columns;
+        // The state holds b exactly where a is tracked, and a where b is.
+        let (d_a, d_b) = profile::time(Class::Matmul, || {
+            let d_a = b.map(|b| match a_columns {
+                false => matmul::<B>(grad.clone(), t(b)),
+                true => t(matmul::<B>(b, t(grad.clone()))),
+            });
+            let d_b = a.map(|a| match b_columns {
+                false => matmul::<B>(t(a), grad),
+                true => t(matmul::<B>(t(grad), a)),
+            });
+            (d_a, d_b)
         });
+        for (parent, gradient) in [(a_parent, d_a), (b_parent, d_b)] {
+            if let (Some(id), Some(gradient)) = (parent, gradient) {
+                register::<B, 1>(grads, [Some(id)], [gradient]);
+            }
+        }
     }
 }
 

@@ -4,8 +4,8 @@
 //! products, the attention core, RMSNorm, RoPE, SwiGLU's gate, the embedding and the loss — is
 //! timed where the decoder calls it, and so is the backward of those with their own
 //! ([`crate::fused`]'s, flash attention's, explicit attention's in blocks of queries,
-//! [`crate::cross_entropy`]'s, the products' on Flex in f32 ([`crate::product`])) where autodiff
-//! runs it.
+//! [`crate::cross_entropy`]'s, the products' on Flex in f32 ([`crate::product`]: more rows than
+//! the few-row kernels take, [`crate::rows::kernel_rows`])) where autodiff runs it.
 //! Each timing is the operation's own time (a timed operation inside another counts for the inner
 //! one only) and is booked to the pass that ran it ([`Pass`], set by [`pass`] around a forward
 //! pass, a backward pass or a decoding step), whose wall time is booked too: what no class took is

@@ -22,7 +22,8 @@
 //! multiply-add), the next group of W's rows or columns asked for before it is read; elsewhere by
 //! loops the compiler vectorises. Sums are in f32 in another order than gemm's: results agree
 //! with the plain product to f32 rounding. Every other backend, dtype, layout, or more rows,
-//! takes the plain product.
+//! takes the plain product ([`crate::product::product`]: on Flex in f32, gemm into a fresh
+//! output).
 //!
 //! The weight may be in another dtype than `x` (inference weights kept in bf16,
 //! [`crate::Model::with_weight_dtype`]): `y = x·f32(W)`. The kernel widens each bf16 weight as it

@@ -1072,6 +1072,28 @@ fn product_gradients_are_burns_under_autodiff() {
                     }
                 }
             }
+            let ([_, _, m, k], n) = case;
+            if m * k * n > 0 {
+                // A tied head: rows times an embedding's transpose, 2-D.
+                let h = random([m, k], &device).require_grad();
+                let embedding = random([n, k], &device).require_grad();
+                let weights = random([m, n], &device);
+                let ours = (product(h.clone(), embedding.clone().transpose()) * weights.clone())
+                    .sum()
+                    .backward();
+                let theirs = (h.clone().matmul(embedding.clone().transpose()) * weights.clone())
+                    .sum()
+                    .backward();
+                for (name, x) in [("∂h", &h), ("∂E", &embedding)] {
+                    close(
+                        &format!("{backend}: {case:?}, tied head: {name}"),
+                        x.grad(&ours).unwrap(),
+                        x.grad(&theirs).unwrap(),
+                        1e-4,
+                        1e-5,
+                    );
+                }
+            }
         }
     }
 }
@@ -1100,9 +1122,19 @@ fn sum_of_squares_equals_burns_squares_summed() {
         // One element, a tail of sixteen lanes, more than one part of the pass.
         for len in [1, 37, 70_000, 200_003] {
             let x = random([len], &device);
-            let theirs = x.clone().powf_scalar(2.0).sum();
             let what = format!("{backend}: {len}");
+            if backend == "flex" {
+                let taken = <Dispatch as FusedOps>::sum_of_squares(x.clone().into_dispatch());
+                assert!(taken.is_some(), "{what}: Flex takes it");
+            }
+            let theirs = x.clone().powf_scalar(2.0).sum();
             assert_close(&what, fused::sum_of_squares(x), theirs, 0.0, 1e-5);
         }
     }
+    // bf16 is Burn's operations, in f32.
+    let x = random([70_000], &Device::flex()).cast(DType::BF16);
+    let taken = <Dispatch as FusedOps>::sum_of_squares(x.clone().into_dispatch());
+    assert!(taken.is_none(), "bf16 is not Flex's pass");
+    let theirs = x.clone().cast(DType::F32).powf_scalar(2.0).sum();
+    assert_close("bf16", fused::sum_of_squares(x), theirs, 0.0, 0.0);
 }
