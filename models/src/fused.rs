@@ -1019,6 +1019,46 @@ pub(crate) mod flex {
             .then(|| &t.storage::<f32>()[layout.start_offset()..][..len])
     }
 
+    /// The rows of an f32 tensor `[B, H, S, n]` whose last dimension is contiguous, read in place
+    /// through its strides (`None` for another dtype, rank or a negative stride): attention's
+    /// heads as autodiff hands back their gradient, a transposed view of `[B, S, H, n]`.
+    pub(crate) struct HeadRows<'a> {
+        data: &'a [f32],
+        start: usize,
+        /// The strides of B, H and S.
+        strides: [usize; 3],
+        heads: usize,
+        n: usize,
+    }
+
+    impl<'a> HeadRows<'a> {
+        pub(crate) fn new(t: &'a FloatTensor<Flex>) -> Option<Self> {
+            let (shape, layout) = (t.shape(), t.layout());
+            let &[_, heads, _, n] = &shape[..] else {
+                return None;
+            };
+            let strides: Vec<usize> = layout
+                .strides()
+                .iter()
+                .map(|&s| usize::try_from(s).ok())
+                .collect::<Option<_>>()?;
+            (t.dtype() == DType::F32 && (strides[3] == 1 || n == 1)).then(|| Self {
+                data: t.storage::<f32>(),
+                start: layout.start_offset(),
+                strides: [strides[0], strides[1], strides[2]],
+                heads,
+                n,
+            })
+        }
+
+        /// Row t of head `pair % H` of sequence `pair / H`.
+        pub(crate) fn row(&self, pair: usize, t: usize) -> &'a [f32] {
+            let [sb, sh, st] = self.strides;
+            let at = self.start + pair / self.heads * sb + pair % self.heads * sh + t * st;
+            &self.data[at..][..self.n]
+        }
+    }
+
     /// `values` in `like`'s shape, on its device.
     fn like(values: Vec<f32>, like: &FloatTensor<Flex>) -> FloatTensor<Flex> {
         Flex::float_from_data(TensorData::new(values, like.shape()), &like.device())
@@ -1408,13 +1448,15 @@ pub(crate) mod flex {
     }
 
     /// [`super::FusedOps::pair_difference_backward`]: ∂pairs in one pass over rayon's threads,
-    /// each row's ⟨d, x₂⟩ kept, then added into ∂λ in order (the same sums on every run).
+    /// each row's ⟨d, x₂⟩ kept, then added into ∂λ in order (the same sums on every run). The
+    /// gradient is read in place through its strides ([`HeadRows`]): DIFF V2's, from merging the
+    /// heads, is a transposed view, which Burn's operations would first copy.
     pub(super) fn pair_difference_backward(
         pairs: &FloatTensor<Flex>,
         lambda: &FloatTensor<Flex>,
         grad: &FloatTensor<Flex>,
     ) -> Option<(FloatTensor<Flex>, FloatTensor<Flex>)> {
-        let (xs, ls, ds) = (elements(pairs)?, elements(lambda)?, elements(grad)?);
+        let (xs, ls, ds) = (elements(pairs)?, elements(lambda)?, HeadRows::new(grad)?);
         let half @ [b, h, s, n] = pairs_map(pairs)?;
         if grad.shape()[..] != half {
             return None;
@@ -1425,19 +1467,19 @@ pub(crate) mod flex {
         let mut inner = vec![0.0f32; b * h * s];
         d_x.par_chunks_mut(2 * map)
             .zip(inner.par_chunks_mut(s))
-            .zip(xs.par_chunks(2 * map).zip(ds.par_chunks(map)))
+            .zip(xs.par_chunks(2 * map))
             .enumerate()
             .with_min_len(pairs_per_task(map))
-            .for_each(|(pair, ((d_x, inner), (xs, ds)))| {
+            .for_each(|(pair, ((d_x, inner), xs))| {
                 let (d_x_1, d_x_2) = d_x.split_at_mut(map);
                 let x_2 = &xs[map..];
-                d_x_1.copy_from_slice(ds);
-                let rows = d_x_2.chunks_exact_mut(n).zip(x_2.chunks_exact(n));
-                for (t, ((d_x_2, x_2), (inner, d))) in rows
-                    .zip(inner.iter_mut().zip(ds.chunks_exact(n)))
+                let rows = d_x_1.chunks_exact_mut(n).zip(d_x_2.chunks_exact_mut(n));
+                for (t, ((d_x_1, d_x_2), (x_2, inner))) in rows
+                    .zip(x_2.chunks_exact(n).zip(inner.iter_mut()))
                     .enumerate()
                 {
-                    let lambda = ls[at(pair, t)];
+                    let (d, lambda) = (ds.row(pair, t), ls[at(pair, t)]);
+                    d_x_1.copy_from_slice(d);
                     for (out, d) in d_x_2.iter_mut().zip(d) {
                         *out = -lambda * d;
                     }

@@ -782,23 +782,30 @@ fn burns_operations_give_flexs_pair_difference_backward() {
         };
         let (d_pairs, d_lambda) = backward(pairs.clone(), lambda.clone(), grad.clone());
         let what = format!("{shape:?} with λ {lambda_shape:?}");
-        // A strided gradient takes Burn's operations on Flex.
-        let (plain_pairs, plain_lambda) =
-            backward(pairs.clone(), lambda.clone(), strided(grad.clone()));
-        assert_close(
-            &format!("flex strided {what}: ∂pairs"),
-            plain_pairs,
-            d_pairs.clone(),
-            1e-6,
-            1e-6,
-        );
-        assert_close(
-            &format!("flex strided {what}: ∂λ"),
-            plain_lambda,
-            d_lambda.clone(),
-            1e-4,
-            1e-5,
-        );
+        // Strided gradients: rows further apart than n, and the heads' gradient as autodiff
+        // hands it back from merging them, a transposed view of [B, S, H, n].
+        let heads_last = Tensor::<4>::from_data(grad.clone().swap_dims(1, 2).to_data(), &flex);
+        let layouts = [
+            ("rows apart", strided(grad.clone())),
+            ("heads transposed", heads_last.swap_dims(1, 2)),
+        ];
+        for (layout, grad) in layouts {
+            let (strided_pairs, strided_lambda) = backward(pairs.clone(), lambda.clone(), grad);
+            assert_close(
+                &format!("flex, {layout}, {what}: ∂pairs"),
+                strided_pairs,
+                d_pairs.clone(),
+                1e-6,
+                1e-6,
+            );
+            assert_close(
+                &format!("flex, {layout}, {what}: ∂λ"),
+                strided_lambda,
+                d_lambda.clone(),
+                1e-4,
+                1e-5,
+            );
+        }
         for (backend, device) in backends() {
             let (theirs_pairs, theirs_lambda) = backward(
                 pairs.clone().to_device(&device),
