@@ -1022,7 +1022,7 @@ pub(crate) mod flex {
     /// The rows of an f32 tensor `[B, H, S, n]` whose last dimension is contiguous, read in place
     /// through its strides (`None` for another dtype, rank or a negative stride): attention's
     /// heads as autodiff hands back their gradient, a transposed view of `[B, S, H, n]`.
-    pub(crate) struct HeadRows<'a> {
+    struct HeadRows<'a> {
         data: &'a [f32],
         start: usize,
         /// The strides of B, H and S.
@@ -1032,7 +1032,7 @@ pub(crate) mod flex {
     }
 
     impl<'a> HeadRows<'a> {
-        pub(crate) fn new(t: &'a FloatTensor<Flex>) -> Option<Self> {
+        fn new(t: &'a FloatTensor<Flex>) -> Option<Self> {
             let (shape, layout) = (t.shape(), t.layout());
             let &[_, heads, _, n] = &shape[..] else {
                 return None;
@@ -1052,7 +1052,7 @@ pub(crate) mod flex {
         }
 
         /// Row t of head `pair % H` of sequence `pair / H`.
-        pub(crate) fn row(&self, pair: usize, t: usize) -> &'a [f32] {
+        fn row(&self, pair: usize, t: usize) -> &'a [f32] {
             let [sb, sh, st] = self.strides;
             let at = self.start + pair / self.heads * sb + pair % self.heads * sh + t * st;
             &self.data[at..][..self.n]
