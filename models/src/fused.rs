@@ -1019,6 +1019,15 @@ pub(crate) mod flex {
             .then(|| &t.storage::<f32>()[layout.start_offset()..][..len])
     }
 
+    /// `t`'s strides as `usize` (`None` if one is negative).
+    pub(crate) fn unsigned_strides(t: &FloatTensor<Flex>) -> Option<Vec<usize>> {
+        t.layout()
+            .strides()
+            .iter()
+            .map(|&s| usize::try_from(s).ok())
+            .collect()
+    }
+
     /// The rows of an f32 tensor `[B, H, S, n]` whose last dimension is contiguous, read in place
     /// through its strides (`None` for another dtype, rank or a negative stride): attention's
     /// heads as autodiff hands back their gradient, a transposed view of `[B, S, H, n]`.
@@ -1037,11 +1046,7 @@ pub(crate) mod flex {
             let &[_, heads, _, n] = &shape[..] else {
                 return None;
             };
-            let strides: Vec<usize> = layout
-                .strides()
-                .iter()
-                .map(|&s| usize::try_from(s).ok())
-                .collect::<Option<_>>()?;
+            let strides = unsigned_strides(t)?;
             (t.dtype() == DType::F32 && (strides[3] == 1 || n == 1)).then(|| Self {
                 data: t.storage::<f32>(),
                 start: layout.start_offset(),

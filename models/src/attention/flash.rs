@@ -488,6 +488,7 @@ fn backward<B: FlashAttentionOps>(
 #[cfg(feature = "flex")]
 mod flex {
     use crate::exp::{exp_shifted, max_of};
+    use crate::fused::flex::unsigned_strides;
     use burn::backend::ops::FloatTensorOps;
     use burn::backend::tensor::FloatTensor;
     use burn::backend::{Flex, TensorMetadata};
@@ -537,11 +538,7 @@ mod flex {
         {
             return None;
         }
-        t.layout()
-            .strides()
-            .iter()
-            .map(|&s| usize::try_from(s).ok())
-            .collect()
+        unsigned_strides(t)
     }
 
     /// Whether `logits` can be rewritten in place (f32, contiguous from offset 0, rows not
