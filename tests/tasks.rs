@@ -135,7 +135,8 @@ fn in_context_accuracy_rises_with_demonstrations() {
         all.extend(extra);
         icl(&run, demos, test, &all)
     };
-    let result = icl(&demos, &test, &["--shots", "0,1,4,8,16", "--limit", "120"]);
+    let shots = ["--shots", "0,1,4,8,16", "--limit", "120"];
+    let result = icl(&demos, &test, &shots);
     assert_eq!(result["chance"], 0.25);
     let acc = accuracies(&result);
     assert_eq!(
@@ -143,11 +144,42 @@ fn in_context_accuracy_rises_with_demonstrations() {
         [0, 1, 4, 8, 16]
     );
     // Without demonstrations the model can only guess from what training left it; with them it
-    // retrieves.
-    let best = acc[2..].iter().map(|a| a.1).fold(0.0, f64::max);
+    // retrieves. One cue word a class leaves four distinct test texts, so one mapping's 0-shot
+    // accuracy is four draws of the model's leftover preferences (0.65 in one run, 0 in
+    // another): the shares are averaged over eight mappings, the evaluation files of seeds 0–7
+    // (the model saw none of them: every training episode maps afresh).
+    let mut mean: Vec<f64> = acc.iter().map(|a| a.1 / 8.0).collect();
+    for seed in 1..8 {
+        let other = tmp.path().join(format!("mapping{seed}"));
+        let seed = seed.to_string();
+        ok(&[
+            "data",
+            "synth",
+            "icl",
+            "--out",
+            path(&other),
+            "--seed",
+            &seed,
+            "--documents",
+            "1",
+            "--classes",
+            "4",
+            "--words",
+            "1",
+            "--cues",
+            "1",
+            "--signal",
+            "1.0",
+        ]);
+        let (demos, test) = (other.join("demos.jsonl"), other.join("test.jsonl"));
+        for (m, a) in mean.iter_mut().zip(accuracies(&icl(&demos, &test, &shots))) {
+            *m += a.1 / 8.0;
+        }
+    }
+    let best = mean[2..].iter().copied().fold(0.0, f64::max);
     assert!(
-        best > acc[0].1.max(0.25) + 0.15,
-        "accuracy by shots: {acc:?} (chance 0.25)"
+        best > mean[0].max(0.25) + 0.15,
+        "mean accuracy by shots 0, 1, 4, 8, 16: {mean:?} (chance 0.25)"
     );
     // A share's interval: Wilson's over the 120 items, from the count right.
     let [lo, hi] = [0, 1].map(|i| result["scores"][4]["ci95"][i].as_f64().unwrap());
