@@ -65,6 +65,19 @@ fn train_small(recipe: &str, shards: &Path, steps: usize, out: &Path) {
     ]);
 }
 
+/// The synthetic task's easiest setting: one cue word a class, so that classifying in context is
+/// retrieving the label an earlier demonstration gave the same word.
+const EASIEST: [&str; 8] = [
+    "--classes",
+    "4",
+    "--words",
+    "1",
+    "--cues",
+    "1",
+    "--signal",
+    "1.0",
+];
+
 /// The template of the synthetic task below: one token between a text and its label.
 const TEMPLATE: &str = "{text}={label}\n";
 
@@ -105,28 +118,16 @@ fn accuracies(result: &Value) -> Vec<(u64, f64)> {
 fn in_context_accuracy_rises_with_demonstrations() {
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("icl");
-    // The easiest setting: one cue word a class, so that classifying in context is retrieving
-    // the label an earlier demonstration gave the same word.
-    let shards = synth(
-        "icl",
-        &data,
-        &[
-            "--documents",
-            "8000",
-            "--classes",
-            "4",
-            "--words",
-            "1",
-            "--cues",
-            "1",
-            "--signal",
-            "1.0",
-            "--max-shots",
-            "16",
-            "--template",
-            TEMPLATE,
-        ],
-    );
+    let mut args = vec![
+        "--documents",
+        "8000",
+        "--max-shots",
+        "16",
+        "--template",
+        TEMPLATE,
+    ];
+    args.extend(EASIEST);
+    let shards = synth("icl", &data, &args);
     let run = tmp.path().join("run");
     train_small("icl/transformer", &shards, 400, &run);
     let (demos, test) = (data.join("demos.jsonl"), data.join("test.jsonl"));
@@ -152,7 +153,7 @@ fn in_context_accuracy_rises_with_demonstrations() {
     for seed in 1..8 {
         let other = tmp.path().join(format!("mapping{seed}"));
         let seed = seed.to_string();
-        ok(&[
+        let mut args = vec![
             "data",
             "synth",
             "icl",
@@ -160,17 +161,9 @@ fn in_context_accuracy_rises_with_demonstrations() {
             path(&other),
             "--seed",
             &seed,
-            "--documents",
-            "1",
-            "--classes",
-            "4",
-            "--words",
-            "1",
-            "--cues",
-            "1",
-            "--signal",
-            "1.0",
-        ]);
+        ];
+        args.extend(["--documents", "1"].iter().chain(&EASIEST));
+        ok(&args);
         let (demos, test) = (other.join("demos.jsonl"), other.join("test.jsonl"));
         for (m, a) in mean.iter_mut().zip(accuracies(&icl(&demos, &test, &shots))) {
             *m += a.1 / 8.0;
