@@ -19,8 +19,8 @@
 //!   `y_rj = ⟨x_r, W_:,j⟩` for j in J, a dot product over a contiguous row of the embedding.
 //!
 //! On a CPU with AVX-512 the bands are computed with its intrinsics (sixteen lanes per fused
-//! multiply-add), the next group of W's rows or columns asked for before it is read; elsewhere by
-//! loops the compiler vectorises. Sums are in f32 in another order than gemm's: results agree
+//! multiply-add), with AVX2 and FMA by the same passes eight lanes wide, the next group of W's
+//! rows or columns asked for before it is read; elsewhere by loops the compiler vectorises. Sums are in f32 in another order than gemm's: results agree
 //! with the plain product to f32 rounding. Every other backend, dtype, layout, or more rows,
 //! takes the plain product ([`crate::product::product`]: on Flex in f32, gemm into a fresh
 //! output).
@@ -576,19 +576,22 @@ pub(crate) mod flex {
         use super::Widen;
         use core::arch::x86_64::*;
 
-        /// One register of f32 lanes and the operations of the products on it.
-        ///
-        /// # Safety
-        /// Every method needs the CPU to have the implementation's instructions; pointers read
-        /// or written `LANES` elements.
+        /// One register of f32 lanes and the operations of the products on it. Each method's
+        /// safety: the CPU has the implementation's instructions, and a pointer reads or writes
+        /// `LANES` elements.
         pub(super) trait Lanes: Copy {
             const LANES: usize;
+            /// `x` in every lane.
             unsafe fn splat(x: f32) -> Self;
+            /// The `LANES` f32 from `p`.
             unsafe fn load(p: *const f32) -> Self;
+            /// The `LANES` elements from `p`, widened to f32.
             unsafe fn widen<E: Widen>(p: *const E) -> Self;
+            /// The lanes, written to `p`.
             unsafe fn store(self, p: *mut f32);
-            /// a·b + c, rounded once.
+            /// `a·b + c`, rounded once.
             unsafe fn mul_add(a: Self, b: Self, c: Self) -> Self;
+            /// The lanes' sum.
             unsafe fn sum(self) -> f32;
         }
 
@@ -599,32 +602,32 @@ pub(crate) mod flex {
             const LANES: usize = 16;
             #[inline(always)]
             unsafe fn splat(x: f32) -> Self {
-                // SAFETY: the caller\'s contract.
+                // SAFETY: the caller's contract.
                 Self(unsafe { _mm512_set1_ps(x) })
             }
             #[inline(always)]
             unsafe fn load(p: *const f32) -> Self {
-                // SAFETY: the caller\'s contract.
+                // SAFETY: the caller's contract.
                 Self(unsafe { _mm512_loadu_ps(p) })
             }
             #[inline(always)]
             unsafe fn widen<E: Widen>(p: *const E) -> Self {
-                // SAFETY: the caller\'s contract.
+                // SAFETY: the caller's contract.
                 Self(unsafe { E::load16(p) })
             }
             #[inline(always)]
             unsafe fn store(self, p: *mut f32) {
-                // SAFETY: the caller\'s contract.
+                // SAFETY: the caller's contract.
                 unsafe { _mm512_storeu_ps(p, self.0) }
             }
             #[inline(always)]
             unsafe fn mul_add(a: Self, b: Self, c: Self) -> Self {
-                // SAFETY: the caller\'s contract.
+                // SAFETY: the caller's contract.
                 Self(unsafe { _mm512_fmadd_ps(a.0, b.0, c.0) })
             }
             #[inline(always)]
             unsafe fn sum(self) -> f32 {
-                // SAFETY: the caller\'s contract.
+                // SAFETY: the caller's contract.
                 unsafe { _mm512_reduce_add_ps(self.0) }
             }
         }
@@ -636,27 +639,27 @@ pub(crate) mod flex {
             const LANES: usize = 8;
             #[inline(always)]
             unsafe fn splat(x: f32) -> Self {
-                // SAFETY: the caller\'s contract.
+                // SAFETY: the caller's contract.
                 Self(unsafe { _mm256_set1_ps(x) })
             }
             #[inline(always)]
             unsafe fn load(p: *const f32) -> Self {
-                // SAFETY: the caller\'s contract.
+                // SAFETY: the caller's contract.
                 Self(unsafe { _mm256_loadu_ps(p) })
             }
             #[inline(always)]
             unsafe fn widen<E: Widen>(p: *const E) -> Self {
-                // SAFETY: the caller\'s contract.
+                // SAFETY: the caller's contract.
                 Self(unsafe { E::load8(p) })
             }
             #[inline(always)]
             unsafe fn store(self, p: *mut f32) {
-                // SAFETY: the caller\'s contract.
+                // SAFETY: the caller's contract.
                 unsafe { _mm256_storeu_ps(p, self.0) }
             }
             #[inline(always)]
             unsafe fn mul_add(a: Self, b: Self, c: Self) -> Self {
-                // SAFETY: the caller\'s contract.
+                // SAFETY: the caller's contract.
                 Self(unsafe { _mm256_fmadd_ps(a.0, b.0, c.0) })
             }
             #[inline(always)]
@@ -780,5 +783,81 @@ pub(crate) mod flex {
             }
         }
         lanes[0] + tail
+    }
+
+    /// Every implementation this CPU runs agrees with a sum in f64 of the widened weights, for
+    /// both layouts, f32 and bf16 weights, bands not starting at 0 and lengths with tails: the
+    /// public dispatch reaches only the widest.
+    #[cfg(all(test, target_arch = "x86_64"))]
+    mod tests {
+        use super::*;
+
+        /// `x[:, rows]·W[rows, cols]` by implementation `name`, if this CPU runs it.
+        fn by<E: Widen>(
+            name: &str,
+            x: &[f32],
+            m: usize,
+            k: usize,
+            w: Weight<E>,
+        ) -> Option<Vec<f32>> {
+            let (rows, cols) = (3..k, 2..45);
+            match name {
+                "portable" => Some(product_portable(x, m, k, w, rows, cols)),
+                "avx2" if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") => {
+                    // SAFETY: the CPU has AVX2 and FMA (checked above).
+                    Some(unsafe { product_avx2(x, m, k, w, rows, cols) })
+                }
+                "avx512" if is_x86_feature_detected!("avx512f") => {
+                    // SAFETY: the CPU has AVX-512F (checked above).
+                    Some(unsafe { product_avx512(x, m, k, w, rows, cols) })
+                }
+                _ => None,
+            }
+        }
+
+        fn agree<E: Widen>(to: fn(f32) -> E) {
+            let (k, n) = (37, 45);
+            let mut state = 7u32;
+            let mut value = || {
+                state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (state >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+            };
+            for m in [1, 3] {
+                let x: Vec<f32> = (0..m * k).map(|_| value()).collect();
+                let rm: Vec<E> = (0..k * n).map(|_| to(value())).collect();
+                let cm: Vec<E> = (0..n * k).map(|c| rm[c % k * n + c / k]).collect();
+                let mut want = vec![0.0f64; m * 43];
+                for (r, j) in (0..m).flat_map(|r| (2..n).map(move |j| (r, j))) {
+                    want[r * 43 + j - 2] = (3..k)
+                        .map(|i| f64::from(x[r * k + i]) * f64::from(rm[i * n + j].widen()))
+                        .sum();
+                }
+                let layouts = [
+                    Weight::RowMajor { data: &rm, row: n },
+                    Weight::ColumnMajor {
+                        data: &cm,
+                        column: k,
+                    },
+                ];
+                for (name, w) in ["portable", "avx2", "avx512"]
+                    .iter()
+                    .flat_map(|n| layouts.map(|w| (n, w)))
+                {
+                    let Some(got) = by(name, &x, m, k, w) else {
+                        continue;
+                    };
+                    assert_eq!(got.len(), want.len(), "{name}");
+                    for (g, w) in got.iter().zip(&want) {
+                        assert!((f64::from(*g) - w).abs() < 1e-5, "{name}: {g} against {w}");
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn every_implementation_agrees_with_the_sum_in_f64() {
+            agree::<f32>(|v| v);
+            agree::<bf16>(bf16::from_f32);
+        }
     }
 }
