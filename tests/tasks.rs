@@ -149,8 +149,9 @@ fn in_context_accuracy_rises_with_demonstrations() {
     // accuracy is four draws of the model's leftover preferences (0.65 in one run, 0 in
     // another): the shares are averaged over eight mappings, the evaluation files of seeds 0–7
     // (the model saw none of them: every training episode maps afresh).
-    let mut mean: Vec<f64> = acc.iter().map(|a| a.1 / 8.0).collect();
-    for seed in 1..8 {
+    let mappings = 8;
+    let mut mean: Vec<f64> = acc.iter().map(|a| a.1 / mappings as f64).collect();
+    for seed in 1..mappings {
         let other = tmp.path().join(format!("mapping{seed}"));
         let seed = seed.to_string();
         let mut args = vec![
@@ -166,7 +167,7 @@ fn in_context_accuracy_rises_with_demonstrations() {
         ok(&args);
         let (demos, test) = (other.join("demos.jsonl"), other.join("test.jsonl"));
         for (m, a) in mean.iter_mut().zip(accuracies(&icl(&demos, &test, &shots))) {
-            *m += a.1 / 8.0;
+            *m += a.1 / mappings as f64;
         }
     }
     let best = mean[2..].iter().copied().fold(0.0, f64::max);
