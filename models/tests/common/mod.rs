@@ -226,13 +226,14 @@ impl ModuleVisitor for Collect<'_> {
 
 /// Holds gradients computed in bf16 (mixed precision's, reaching f32 masters) to the f32 ones,
 /// `(name, bf16, f32)` each: every one f32 and finite, ‖g̃ − g‖ / ‖g‖ below 15% for every tensor
-/// but DIFF V1's λ vectors and 8% over all of them. Measured over 40 seeds of the precision
-/// test's models (every variant, tied or not, Flex and LibTorch; tests share a device's seed, so
-/// which draw a run gets depends on the others): at most 3.9% and 2.2% but for V2, whose
-/// projections and norms reached 7.8% and 5.5%. DIFF V1's λ vectors' gradients share one factor
-/// ∂λ, a sum over every attention entry that nearly cancels at initialisation: their relative
-/// error ran from 0.008 to 24 over the same draws, so no relative bound holds them; ∂λ's bf16
-/// computation is held to its terms' rounding in `tests/precision.rs`.
+/// but λ's parameters and 10% over all of them. Tests share a device's seed, so which draw a run
+/// gets depends on the others: over 300 seeds of the precision test's models (tied or not, Flex
+/// and LibTorch) the tensors reached 5.2% (baseline), 8.2% (DIFF) and 9.3% (V2), the whole model
+/// 3.7%, 2.1% and 6.0%; over 40 of the recomputation test's, 8.4% and 5.4%. λ's parameters (DIFF
+/// V1's vectors, V2's `lambda_proj`) have gradients built from ∂λ, sums over attention entries
+/// that nearly cancel at initialisation, so no relative bound holds them (V1's vectors' error ran
+/// from 0.008 to 24 over 40 seeds, V2's projection's to 0.17 over 200); ∂λ's bf16 computation is
+/// held to its terms' rounding in `tests/precision.rs`.
 pub fn assert_bf16_gradients(what: &str, grads: Vec<(String, Tensor<1>, Tensor<1>)>) {
     let square = |t: Tensor<1>| t.square().sum().into_scalar::<f32>();
     let (mut errors, mut norms) = (0.0, 0.0);
@@ -244,7 +245,9 @@ pub fn assert_bf16_gradients(what: &str, grads: Vec<(String, Tensor<1>, Tensor<1
             error.is_finite(),
             "{what}: {name}'s bf16 gradient is not finite"
         );
-        let lambda = name.contains(".lambda_q") || name.contains(".lambda_k");
+        let lambda = [".lambda_q", ".lambda_k", ".lambda_proj"]
+            .iter()
+            .any(|part| name.contains(part));
         assert!(
             lambda || relative < 0.15,
             "{what}: {name}'s bf16 gradient is {relative} from the f32 one"
@@ -253,7 +256,7 @@ pub fn assert_bf16_gradients(what: &str, grads: Vec<(String, Tensor<1>, Tensor<1
     }
     let relative = (errors / norms).sqrt();
     assert!(
-        relative < 0.08,
+        relative < 0.1,
         "{what}: the bf16 gradients are {relative} from the f32 ones"
     );
 }
