@@ -246,12 +246,13 @@ fn a_bf16_cache_decodes_the_whole_sequences_logits_within_bf16s_rounding() {
                     1e-5,
                 );
                 assert_close(&format!("{what}: f32"), f32, whole.clone(), tolerance, 1e-5);
-                // bf16 keeps 8 bits of mantissa: K and V within 2⁻⁹ of themselves move logits of
-                // this size by a few thousandths.
+                // bf16 keeps 8 bits of mantissa: K and V within 2⁻⁹ of themselves moved the
+                // logits by up to 0.9% of the largest over 40 seeds of these models (median
+                // 0.17%, V2 the most; tests share a device's seed, so a run's draw varies).
                 let rounding = max_abs_diff(rest(&bf16), rest(&whole));
                 let scale = whole.abs().max().into_scalar::<f32>();
                 assert!(
-                    rounding > 1e-5 && rounding <= 1e-2 * scale,
+                    rounding > 1e-5 && rounding <= 3e-2 * scale,
                     "{what}: decoded over a bf16 cache, max |Δ| = {rounding:e} against logits up \
                      to {scale:e}: not bf16's rounding"
                 );
