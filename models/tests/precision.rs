@@ -71,7 +71,9 @@ fn a_bf16_compute_copy_gives_every_f32_master_its_gradient() {
 /// head) and the differential softmax `A₁ − λ·A₂`, whose ∂λ = −Σ dᵢ·x₂ᵢ over the entries λ is
 /// broadcast along. Each term rounds its inputs (`x₂` a map: its scores, e^x and the division
 /// too) and their product, and the sum at most four partial sums (over keys, positions, heads,
-/// batch), none above Σ|dᵢ·x₂ᵢ|: |∂λ̃ − ∂λ| ≤ 10u·Σ|dᵢ·x₂ᵢ|, u = 2⁻⁹ bf16's unit roundoff.
+/// batch; each summed in f32, rounded once), none above Σ|dᵢ·x₂ᵢ|: to first order
+/// |∂λ̃ − ∂λ| ≤ 10u·Σ|dᵢ·x₂ᵢ|, u = 2⁻⁹ bf16's unit roundoff (the roundings do not line up: the
+/// errors measured 0.005–0.25 of it).
 /// With a few hundred terms ∂λ (about √N terms) stays outside it: one λ's ∂λ is 1.7–3 bounds here
 /// on Flex and LibTorch, its error 0.005–0.02, so a flipped sign fails. (Why the model's λ
 /// vectors are held no closer: [`common::assert_bf16_gradients`].)
