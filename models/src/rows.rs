@@ -572,14 +572,14 @@ pub(crate) mod flex {
 
     /// The registers the products run in: AVX-512's sixteen f32 lanes, AVX2's eight.
     #[cfg(target_arch = "x86_64")]
-    mod simd {
+    pub(crate) mod simd {
         use super::Widen;
         use core::arch::x86_64::*;
 
         /// One register of f32 lanes and the operations of the products on it. Each method's
         /// safety: the CPU has the implementation's instructions, and a pointer reads or writes
         /// `LANES` elements.
-        pub(super) trait Lanes: Copy {
+        pub(crate) trait Lanes: Copy {
             const LANES: usize;
             /// `x` in every lane.
             unsafe fn splat(x: f32) -> Self;
@@ -596,7 +596,7 @@ pub(crate) mod flex {
         }
 
         #[derive(Clone, Copy)]
-        pub(super) struct Avx512(__m512);
+        pub(crate) struct Avx512(__m512);
 
         impl Lanes for Avx512 {
             const LANES: usize = 16;
@@ -633,7 +633,7 @@ pub(crate) mod flex {
         }
 
         #[derive(Clone, Copy)]
-        pub(super) struct Avx2(__m256);
+        pub(crate) struct Avx2(__m256);
 
         impl Lanes for Avx2 {
             const LANES: usize = 8;
@@ -729,29 +729,25 @@ pub(crate) mod flex {
         y
     }
 
-    /// [`dot`] with AVX-512 intrinsics, for callers compiled with AVX-512F (the compiler
-    /// vectorises the portable loop only two to four lanes wide there): sixteen lanes of fused
-    /// multiply-adds, summed, then the tail.
+    /// [`dot`] in registers of `V`'s lanes, for callers compiled with `V`'s instructions (the
+    /// compiler vectorises the portable loop only two to four lanes wide there, and multiplies
+    /// and adds apart): fused multiply-adds `V::LANES` lanes wide, summed, then the tail.
     ///
     /// # Safety
-    /// The CPU has AVX-512F.
+    /// The CPU has `V`'s instructions.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    pub(crate) unsafe fn dot_avx512<E: Widen>(a: &[f32], b: &[E]) -> f32 {
-        use core::arch::x86_64::*;
+    pub(crate) unsafe fn dot_lanes<E: Widen, V: simd::Lanes>(a: &[f32], b: &[E]) -> f32 {
         let len = a.len().min(b.len());
-        let full = len - len % 16;
-        // SAFETY: AVX-512F (the caller's contract); i + 16 ≤ full ≤ the length of a and b.
+        let full = len - len % V::LANES;
+        // SAFETY: V's instructions (the caller's contract); i + LANES ≤ full ≤ the length of a
+        // and b.
         unsafe {
-            let mut acc = _mm512_setzero_ps();
-            for i in (0..full).step_by(16) {
-                let (x, w) = (
-                    _mm512_loadu_ps(a.as_ptr().add(i)),
-                    E::load16(b.as_ptr().add(i)),
-                );
-                acc = _mm512_fmadd_ps(x, w, acc);
+            let mut acc = V::splat(0.0);
+            for i in (0..full).step_by(V::LANES) {
+                acc = V::mul_add(V::load(a.as_ptr().add(i)), V::widen(b.as_ptr().add(i)), acc);
             }
-            let mut sum = _mm512_reduce_add_ps(acc);
+            let mut sum = acc.sum();
             for i in full..len {
                 sum += a[i] * b[i].widen();
             }
