@@ -809,14 +809,12 @@ mod tests {
     /// path; other devices keep the recipe's.
     #[test]
     fn inference_on_flex_takes_the_explicit_path() {
-        use diffzoo_models::attention::Attention;
         let implementations = |model: &Model| -> Vec<AttentionImpl> {
-            let of = |attn: &Attention| match attn {
-                Attention::Transformer(a) => a.implementation,
-                Attention::Diff(a) => a.implementation,
-                Attention::DiffV2(a) => a.implementation,
-            };
-            model.blocks.iter().map(|b| of(&b.attn)).collect()
+            model
+                .blocks
+                .iter()
+                .map(|b| b.attn.implementation())
+                .collect()
         };
         let flash = AttentionImpl::Flash { block: 16 };
         let positions = diffzoo_models::attention::blocks::BLOCK + 12;

@@ -129,6 +129,15 @@ impl Attention {
         }
     }
 
+    /// How this layer's attention is computed.
+    pub fn implementation(&self) -> AttentionImpl {
+        match self {
+            Self::Transformer(a) => a.implementation,
+            Self::Diff(a) => a.implementation,
+            Self::DiffV2(a) => a.implementation,
+        }
+    }
+
     /// Computes this layer's attention by `implementation` from now on.
     pub fn set_implementation(&mut self, implementation: AttentionImpl) {
         match self {
