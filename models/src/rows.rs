@@ -595,6 +595,7 @@ pub(crate) mod flex {
             unsafe fn sum(self) -> f32;
         }
 
+        /// Sixteen lanes; its instructions are AVX-512F's.
         #[derive(Clone, Copy)]
         pub(crate) struct Avx512(__m512);
 
@@ -632,6 +633,7 @@ pub(crate) mod flex {
             }
         }
 
+        /// Eight lanes; its instructions are AVX2's and FMA's.
         #[derive(Clone, Copy)]
         pub(crate) struct Avx2(__m256);
 
@@ -729,9 +731,10 @@ pub(crate) mod flex {
         y
     }
 
-    /// [`dot`] in registers of `V`'s lanes, for callers compiled with `V`'s instructions (the
-    /// compiler vectorises the portable loop only two to four lanes wide there, and multiplies
-    /// and adds apart): fused multiply-adds `V::LANES` lanes wide, summed, then the tail.
+    /// [`dot`] in registers of `V`'s lanes, for callers compiled with `V`'s instructions: fused
+    /// multiply-adds `V::LANES` lanes wide, summed, then the tail. (The portable loop, compiled
+    /// into such a caller, multiplies and adds apart and, with AVX-512, only two to four lanes
+    /// wide; passed to it as a function, it is compiled on its own for baseline x86-64.)
     ///
     /// # Safety
     /// The CPU has `V`'s instructions.

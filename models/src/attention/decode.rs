@@ -14,10 +14,9 @@
 //! of [`crate::team`] from a quarter million multiply-adds (on the calling thread below), that
 //! reads its kv head's keys once for all its query heads and its values once per query head (64
 //! columns at a time, summed in registers), in place (K and V in f32 or
-//! in bf16, a cache kept narrower: [`crate::cache`], widened as read). The products run in the
-//! widest registers the CPU has: AVX-512's, AVX2's with fused multiply-adds, else loops the
-//! compiler vectorises (on an AVX2 AMD EPYC those took about two fifths of a 2,051-token prompt's decoding
-//! step, the keys' dot products compiled without AVX2). Only Flex with f32 queries,
+//! in bf16, a cache kept narrower: [`crate::cache`], widened as read). Its dot products and
+//! weighted sums run in the widest registers the CPU has: AVX-512's, or AVX2's with fused
+//! multiply-adds, else in loops the compiler vectorises. Only Flex with f32 queries,
 //! contiguous last dimensions and the shapes above takes it: [`attention`] answers `None` for
 //! everything else, autodiff included.
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
@@ -428,7 +427,7 @@ mod flex {
         p: &[f32],
         value: &dyn Fn(usize) -> &'a [E; COLUMNS],
     ) -> [f32; COLUMNS] {
-        debug_assert_eq!(R * V::LANES, COLUMNS);
+        const { assert!(R * V::LANES == COLUMNS) };
         // SAFETY: V's instructions (the caller's contract); register r reads and writes lanes
         // r·LANES.. of COLUMNS = R·LANES elements.
         unsafe {
@@ -447,18 +446,19 @@ mod flex {
         }
     }
 
-    /// Output columns summed in registers at a time (four AVX-512 vectors).
+    /// Output columns summed in registers at a time (four AVX-512 or eight AVX2 registers).
     const COLUMNS: usize = 64;
 
     /// Every implementation this CPU runs agrees with the attention in f64, keys and values in
     /// f32 and bf16, with masked keys, a query head group, widths with tails past the last
     /// register and values wider than [`COLUMNS`]: the public dispatch reaches only the widest.
-    #[cfg(all(test, target_arch = "x86_64"))]
+    #[cfg(test)]
     mod tests {
         use super::*;
 
-        fn agree<E: Widen>(to: fn(f32) -> E) {
-            let (n, keys, d, d_v) = (3, 70, 27, COLUMNS + 13);
+        /// `to` makes an element from an f32, `back` reads it as the f32 it stands for.
+        fn agree<E: Widen>(to: fn(f32) -> E, back: fn(E) -> f32) {
+            let (n, keys, d, d_v) = (3, 70, 27, 2 * COLUMNS + 13);
             let mut state = 11u32;
             let mut value = || {
                 state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
@@ -479,7 +479,7 @@ mod flex {
                 scale,
                 element: std::marker::PhantomData,
             };
-            let wide = |e: &E| f64::from(e.widen());
+            let wide = |e: &E| f64::from(back(*e));
             let want: Vec<Vec<f64>> = queries
                 .iter()
                 .map(|q| {
@@ -510,6 +510,7 @@ mod flex {
                 let mut outs: Vec<&mut [f32]> = rows.iter_mut().map(Vec::as_mut_slice).collect();
                 match name {
                     "portable" => group.attend_portable(&mut outs),
+                    #[cfg(target_arch = "x86_64")]
                     "avx2"
                         if std::arch::is_x86_feature_detected!("avx2")
                             && std::arch::is_x86_feature_detected!("fma") =>
@@ -517,6 +518,7 @@ mod flex {
                         // SAFETY: the CPU has AVX2 and FMA (checked above).
                         unsafe { group.attend_avx2(&mut outs) }
                     }
+                    #[cfg(target_arch = "x86_64")]
                     "avx512" if std::arch::is_x86_feature_detected!("avx512f") => {
                         // SAFETY: the CPU has AVX-512F (checked above).
                         unsafe { group.attend_avx512(&mut outs) }
@@ -536,8 +538,8 @@ mod flex {
 
         #[test]
         fn every_implementation_agrees_with_the_attention_in_f64() {
-            agree::<f32>(|v| v);
-            agree::<bf16>(bf16::from_f32);
+            agree::<f32>(|v| v, |v| v);
+            agree::<bf16>(bf16::from_f32, bf16::to_f32);
         }
     }
 }
