@@ -320,7 +320,7 @@ mod flex {
         }
 
         fn attend_portable(&self, outs: &mut [&mut [f32]]) {
-            self.attend_with(outs, dot, weigh_portable)
+            self.attend_with(outs, dot, |p, c| self.weigh_portable(p, c))
         }
 
         #[cfg(target_arch = "x86_64")]
@@ -330,7 +330,7 @@ mod flex {
             self.attend_with(
                 outs,
                 |a, b| unsafe { dot_lanes::<E, Avx512>(a, b) },
-                |p, v| unsafe { weigh_lanes::<E, Avx512, 4>(p, v) },
+                |p, c| unsafe { self.weigh_lanes::<Avx512, 4>(p, c) },
             )
         }
 
@@ -341,18 +341,18 @@ mod flex {
             self.attend_with(
                 outs,
                 |a, b| unsafe { dot_lanes::<E, Avx2>(a, b) },
-                |p, v| unsafe { weigh_lanes::<E, Avx2, 8>(p, v) },
+                |p, c| unsafe { self.weigh_lanes::<Avx2, 8>(p, c) },
             )
         }
 
-        /// The attention with `dot` for ⟨query, key⟩ and `weigh` for `Σ_j p_j·v_j` over
-        /// [`COLUMNS`] columns of the values (`v(j)`: key j's).
+        /// The attention with `dot` for ⟨query, key⟩ and `weigh(p, c)` for `Σ_j p_j·v_j` over
+        /// the values' c-th block of [`COLUMNS`] columns.
         #[inline(always)]
         fn attend_with(
             &self,
             outs: &mut [&mut [f32]],
             dot: impl Fn(&[f32], &[E]) -> f32,
-            weigh: impl Fn(&[f32], &dyn Fn(usize) -> &'a [E; COLUMNS]) -> [f32; COLUMNS],
+            weigh: impl Fn(&[f32], usize) -> [f32; COLUMNS],
         ) {
             // Plain loops: an iterator's `collect` or `fold` may be compiled out of line, without
             // this function's vector instructions. Logits `[query, key]`.
@@ -381,12 +381,7 @@ mod flex {
                 let start = o.len() - o.len() % COLUMNS;
                 let mut columns = o.chunks_exact_mut(COLUMNS);
                 for (c, o) in (&mut columns).enumerate() {
-                    let value = |j: usize| -> &'a [E; COLUMNS] {
-                        (self.value)(j)[c * COLUMNS..][..COLUMNS]
-                            .try_into()
-                            .expect("COLUMNS elements")
-                    };
-                    for (o, acc) in o.iter_mut().zip(weigh(p, &value)) {
+                    for (o, acc) in o.iter_mut().zip(weigh(p, c)) {
                         *o += acc / sum;
                     }
                 }
@@ -398,51 +393,58 @@ mod flex {
                 }
             }
         }
-    }
 
-    /// `Σ_j p_j·v(j)` over [`COLUMNS`] columns, in a loop the compiler vectorises.
-    #[inline(always)]
-    fn weigh_portable<'a, E: Widen + 'a>(
-        p: &[f32],
-        value: &dyn Fn(usize) -> &'a [E; COLUMNS],
-    ) -> [f32; COLUMNS] {
-        let mut acc = [0.0f32; COLUMNS];
-        for (j, &w) in p.iter().enumerate() {
-            let v = value(j);
-            for i in 0..COLUMNS {
-                acc[i] += w * v[i].widen();
-            }
+        /// Key j's values in the c-th block of [`COLUMNS`] columns.
+        #[inline(always)]
+        fn values(&self, j: usize, c: usize) -> &'a [E; COLUMNS] {
+            (self.value)(j)[c * COLUMNS..][..COLUMNS]
+                .try_into()
+                .expect("COLUMNS elements")
         }
-        acc
-    }
 
-    /// [`weigh_portable`] in `R` registers of `V`'s lanes (`R·V::LANES` = [`COLUMNS`]), one
-    /// fused multiply-add per register and key.
-    ///
-    /// # Safety
-    /// The CPU has `V`'s instructions.
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn weigh_lanes<'a, E: Widen + 'a, V: Lanes, const R: usize>(
-        p: &[f32],
-        value: &dyn Fn(usize) -> &'a [E; COLUMNS],
-    ) -> [f32; COLUMNS] {
-        const { assert!(R * V::LANES == COLUMNS) };
-        // SAFETY: V's instructions (the caller's contract); register r reads and writes lanes
-        // r·LANES.. of COLUMNS = R·LANES elements.
-        unsafe {
-            let mut acc = [V::splat(0.0); R];
+        /// `Σ_j p_j·v_j` over the values' c-th block of [`COLUMNS`] columns, in a loop the
+        /// compiler vectorises.
+        #[inline(always)]
+        fn weigh_portable(&self, p: &[f32], c: usize) -> [f32; COLUMNS] {
+            let mut acc = [0.0f32; COLUMNS];
             for (j, &w) in p.iter().enumerate() {
-                let (w, v) = (V::splat(w), value(j).as_ptr());
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    *acc = V::mul_add(w, V::widen(v.add(r * V::LANES)), *acc);
+                let v = self.values(j, c);
+                for i in 0..COLUMNS {
+                    acc[i] += w * v[i].widen();
                 }
             }
-            let mut out = [0.0f32; COLUMNS];
-            for (r, acc) in acc.into_iter().enumerate() {
-                acc.store(out.as_mut_ptr().add(r * V::LANES));
+            acc
+        }
+
+        /// [`Self::weigh_portable`] in `R` registers of `L`'s lanes (`R·L::LANES` =
+        /// [`COLUMNS`]), one fused multiply-add per register and key.
+        ///
+        /// # Safety
+        /// The CPU has `L`'s instructions.
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        unsafe fn weigh_lanes<L: Lanes, const R: usize>(
+            &self,
+            p: &[f32],
+            c: usize,
+        ) -> [f32; COLUMNS] {
+            const { assert!(R * L::LANES == COLUMNS) };
+            // SAFETY: L's instructions (the caller's contract); register r reads and writes lanes
+            // r·LANES.. of COLUMNS = R·LANES elements.
+            unsafe {
+                let mut acc = [L::splat(0.0); R];
+                for (j, &w) in p.iter().enumerate() {
+                    let (w, v) = (L::splat(w), self.values(j, c).as_ptr());
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        *acc = L::mul_add(w, L::widen(v.add(r * L::LANES)), *acc);
+                    }
+                }
+                let mut out = [0.0f32; COLUMNS];
+                for (r, acc) in acc.into_iter().enumerate() {
+                    acc.store(out.as_mut_ptr().add(r * L::LANES));
+                }
+                out
             }
-            out
         }
     }
 
