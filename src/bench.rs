@@ -34,6 +34,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use burn::data::dataloader::batcher::Batcher;
 use burn::module::Module;
 use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::FloatDType;
 use clap::Args;
 use diffzoo_datasets::{LmBatcher, Rng};
 use diffzoo_models::profile as clock;
@@ -964,7 +965,12 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
         Ok(())
     })?;
     if let Some(step_profile) = &mut step_profile {
-        step_profile.decode = profiled_decode(&inference, inputs, args.reps)?;
+        step_profile.decode = profiled_decode(&inference, inputs.clone(), args.reps)?;
+        // The same step as `generate --dtype bf16` decodes: f32 activations, bf16 matrices.
+        if args.dtype == "f32" && device::reads_bf16_weights(spec) {
+            let bf16 = inference.clone().with_weight_dtype(FloatDType::BF16);
+            step_profile.decode_bf16 = profiled_decode(&bf16, inputs, args.reps)?;
+        }
     }
     let measurement = Measurement {
         attention: attention.as_str().into(),

@@ -2858,9 +2858,9 @@ const PROFILED: [&str; 12] = [
 ];
 
 /// `bench --profile` breaks a training step's forward and backward passes and a decoding step
-/// into classes of operation that, with the remainder, make up each pass; the products' backward
-/// (Flex's own, in f32) is timed where it runs, the explicit attention's (Burn's autodiff's) is
-/// its replays'. What it cannot time is refused.
+/// (with f32 and with bf16 weight matrices) into classes of operation that, with the remainder,
+/// make up each pass; the products' backward (Flex's own, in f32) is timed where it runs, the
+/// explicit attention's (Burn's autodiff's) is its replays'. What it cannot time is refused.
 #[test]
 fn bench_profile_breaks_each_pass_into_classes() {
     let shape = [&PROFILED[..], &["--attention", "diff"]].concat();
@@ -2883,7 +2883,7 @@ fn bench_profile_breaks_each_pass_into_classes() {
         "other",
     ];
     let get = |pass: &str, class: &str| profile[pass]["classes"][class].as_f64();
-    for pass in ["forward", "backward", "decode"] {
+    for pass in ["forward", "backward", "decode", "decode_bf16"] {
         let total = profile[pass]["total"].as_f64().unwrap();
         let booked: f64 = classes[..7].iter().filter_map(|c| get(pass, c)).sum();
         let other = get(pass, "other").unwrap();
@@ -2897,7 +2897,7 @@ fn bench_profile_breaks_each_pass_into_classes() {
     }
     // Without replays, each class's own time is part of its pass's, and the residual adds and
     // reshapes are left over.
-    for pass in ["forward", "decode"] {
+    for pass in ["forward", "decode", "decode_bf16"] {
         let total = profile[pass]["total"].as_f64().unwrap();
         let booked: f64 = classes[..7].iter().map(|c| get(pass, c).unwrap()).sum();
         assert!(
@@ -2914,13 +2914,28 @@ fn bench_profile_breaks_each_pass_into_classes() {
     assert_eq!(profile["replayed"], serde_json::json!(["attention"]));
     assert!(get("backward", "norm") > Some(0.0));
     assert_eq!(get("backward", "embedding"), None, "{profile}");
-    assert_eq!(
-        get("decode", "loss"),
-        Some(0.0),
-        "a decoding step has no loss"
-    );
+    for pass in ["decode", "decode_bf16"] {
+        assert_eq!(get(pass, "loss"), Some(0.0), "a decoding step has no loss");
+    }
     let table = ok(&[&["bench", "--device", "flex", "--profile"], &shape[..]].concat());
     assert!(table.contains("profile of a flex diff step"), "{table}");
+    let speedup = table
+        .split_once("as `generate --dtype bf16` runs: ")
+        .and_then(|(_, rest)| rest.split_once("× the f32 step's speed"))
+        .and_then(|(ratio, _)| ratio.parse::<f64>().ok());
+    assert!(speedup > Some(0.0), "{table}");
+    let bf16 = json(
+        &[
+            &["bench", "--device", "flex", "--profile", "--json"][..],
+            &["--dtype", "bf16"],
+            &shape[..],
+        ]
+        .concat(),
+    );
+    assert!(
+        bf16["rows"][0]["profile"].get("decode_bf16").is_none(),
+        "a bf16 step's decoding is already in bf16: {bf16}"
+    );
     for class in classes {
         assert!(
             table.lines().any(|l| l.trim_start().starts_with(class)),

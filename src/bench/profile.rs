@@ -20,6 +20,20 @@ use std::time::Duration;
 /// The remainder's name.
 pub const OTHER: &str = "other";
 
+/// The column of the decoding step with bf16 weight matrices.
+const BF16_DECODE: &str = "bf16 dec";
+
+/// The table's columns.
+const HEADER: [&str; 7] = [
+    "class",
+    "fwd",
+    "torch fwd",
+    "bwd",
+    "torch bwd",
+    "decode",
+    BF16_DECODE,
+];
+
 /// One pass: its wall time and each class's share of it, in seconds per pass.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct PassProfile {
@@ -57,6 +71,11 @@ pub struct StepProfile {
     /// One decoding step of one sequence after a prefill, where measured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode: Option<PassProfile>,
+    /// The same decoding step with the weight matrices in bf16 and the activations in f32, as
+    /// `generate --dtype bf16` decodes: measured beside an f32 step on a device that reads bf16
+    /// weights.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_bf16: Option<PassProfile>,
 }
 
 /// The step profile of `steps` profiled training steps booked in `booked`, with `replayed` the
@@ -91,6 +110,7 @@ pub fn step(booked: &Profile, steps: usize, replayed: &BTreeMap<Class, Duration>
         backward,
         replayed: from_replays,
         decode: None,
+        decode_bf16: None,
     }
 }
 
@@ -111,32 +131,38 @@ pub fn print(rows: &[Row]) {
             continue;
         };
         let theirs = row.torch.as_ref().and_then(|t| t.profile.as_ref());
+        let mut notes = vec!["each class timed where it runs".to_string()];
+        if !ours.replayed.is_empty() {
+            notes.push(format!(
+                "* backward of its replays timed alone: {}; -: not measured, in other",
+                ours.replayed.join(", ")
+            ));
+        }
         println!(
             "\nprofile of a {} {} step, ms ({}; PyTorch: torch.profiler):",
             row.device,
             row.ours.attention,
-            match ours.replayed.is_empty() {
-                true => "each class timed where it runs".to_string(),
-                false => format!(
-                    "each class timed where it runs, * backward of its replays timed alone: {}; -: not measured, in other",
-                    ours.replayed.join(", ")
-                ),
-            }
+            notes.join(", ")
         );
-        println!(
-            "  {:<11} {:>9} {:>9} {:>9} {:>9} {:>9}",
-            "class", "fwd", "torch fwd", "bwd", "torch bwd", "decode"
-        );
+        let line = |cells: [String; 7]| {
+            let [name, rest @ ..] = cells;
+            let rest: Vec<String> = rest.iter().map(|c| format!("{c:>9}")).collect();
+            println!("  {name:<11} {}", rest.join(" ").trim_end());
+        };
         let ms = |s: Option<f64>| s.map_or("-".into(), |s| format!("{:.2}", 1e3 * s));
+        let decode_bf16 = ours.decode_bf16.as_ref();
+        line(HEADER.map(|h| match (h, decode_bf16) {
+            (BF16_DECODE, None) => String::new(),
+            _ => h.to_string(),
+        }));
         let names = profile::Class::ALL
             .map(|c| c.name())
             .into_iter()
             .chain([OTHER]);
         for name in names {
             let replayed = ours.replayed.iter().any(|r| r == name);
-            println!(
-                "  {:<11} {:>9} {:>9} {:>9} {:>9} {:>9}",
-                name,
+            line([
+                name.to_string(),
                 ms(ours.forward.get(name)),
                 ms(theirs.and_then(|t| t.forward.get(name))),
                 format!(
@@ -146,17 +172,25 @@ pub fn print(rows: &[Row]) {
                 ),
                 ms(theirs.and_then(|t| t.backward.get(name))),
                 ms(ours.decode.as_ref().and_then(|d| d.get(name))),
-            );
+                decode_bf16.map_or(String::new(), |d| ms(d.get(name))),
+            ]);
         }
-        println!(
-            "  {:<11} {:>9} {:>9} {:>9} {:>9} {:>9}",
-            "total",
+        line([
+            "total".to_string(),
             ms(Some(ours.forward.total)),
             ms(theirs.map(|t| t.forward.total)),
             ms(Some(ours.backward.total)),
             ms(theirs.map(|t| t.backward.total)),
             ms(ours.decode.as_ref().map(|d| d.total)),
-        );
+            decode_bf16.map_or(String::new(), |d| ms(Some(d.total))),
+        ]);
+        if let (Some(f32), Some(bf16)) = (&ours.decode, decode_bf16) {
+            println!(
+                "  bf16 dec: the decoding step with bf16 weight matrices and f32 activations, as \
+                 `generate --dtype bf16` runs: {:.2}× the f32 step's speed",
+                f32.total / bf16.total
+            );
+        }
     }
 }
 
