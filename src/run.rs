@@ -424,12 +424,7 @@ impl std::fmt::Display for WeightDtype {
 /// ([`Model::with_weight_dtype`]; None: [`WeightDtype::resolve`]'s default): the model, its
 /// weights, the device and the dtype the matrices are in.
 ///
-/// On Flex attention takes the explicit path whatever the recipe trains with: without a
-/// backward to keep maps for, it computes each block of queries against its keys in one product
-/// and one softmax pass (`attention::blocks`), memory growing with S as flash's does, where
-/// flash rescales a running sum per block of keys. Prefill of 2,051 tokens at SmolLM2-135M's
-/// shape on the AVX2 EPYC, six interleaved pairs of runs before and after: median 230 → 277
-/// tokens/s. Elsewhere the explicit path would hold S×S maps, so the recipe's choice stands.
+/// Attention takes [`inference_attention`]'s path.
 pub fn load_model_on(
     run: &Path,
     recipe: &Recipe,
@@ -439,16 +434,28 @@ pub fn load_model_on(
     let dtype = WeightDtype::resolve(asked, run, spec)?;
     let device = device::parse(spec)?;
     let (model, weights) = load_model(run, recipe, &device)?;
-    let model = if device::is_flex(spec) {
-        model.with_attention_impl(AttentionImpl::Explicit)
-    } else {
-        model
+    let model = match inference_attention(spec) {
+        Some(attention) => model.with_attention_impl(attention),
+        None => model,
     };
     let model = match dtype {
         WeightDtype::F32 => model,
         WeightDtype::Bf16 => model.with_weight_dtype(burn::tensor::FloatDType::BF16),
     };
     Ok((model, weights, device, dtype))
+}
+
+/// The attention of a pass without a backward (inference, validation) on the device `spec` names,
+/// computing in f32; `None`: the recipe's.
+///
+/// On Flex the explicit path whatever the recipe trains with: without a backward to keep maps
+/// for, it computes each block of queries against its keys in one product and one softmax pass
+/// (`attention::blocks`, f32 only), memory growing with S as flash's does, where flash rescales a
+/// running sum per block of keys. Prefill of 2,051 tokens at SmolLM2-135M's shape on the AVX2
+/// EPYC, six interleaved pairs of runs before and after: median 230 → 277 tokens/s. Elsewhere
+/// (and in other dtypes) the explicit path would hold S×S maps, so the recipe's choice stands.
+pub fn inference_attention(spec: &str) -> Option<AttentionImpl> {
+    device::is_flex(spec).then_some(AttentionImpl::Explicit)
 }
 
 /// The scale of λ the run's `weights` compute with: 1 without a warm-up

@@ -22,7 +22,7 @@ use burn::nn::{
     Embedding, EmbeddingConfig, Initializer, Linear, RmsNorm, RmsNormConfig, RotaryEncoding,
     RotaryEncodingConfig,
 };
-use burn::tensor::{Device, FloatDType, Int, Tensor};
+use burn::tensor::{DType, Device, FloatDType, Int, Tensor};
 
 /// One pre-norm decoder block.
 #[derive(Module, Debug)]
@@ -275,10 +275,16 @@ impl Model {
         weight_matrices_in(self, dtype)
     }
 
-    /// `Embed(tokens)` in the dtype the model computes in (its final norm's): an embedding stored
-    /// in another ([`Model::with_weight_dtype`]) is widened here.
+    /// The dtype the model computes in: its final norm's (weight matrices may be stored in
+    /// another, [`Model::with_weight_dtype`]).
+    pub fn dtype(&self) -> DType {
+        self.norm.gamma.val().dtype()
+    }
+
+    /// `Embed(tokens)` in the dtype the model computes in ([`Model::dtype`]): an embedding stored
+    /// in another is widened here.
     fn embedded(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let dtype = self.norm.gamma.val().dtype();
+        let dtype = self.dtype();
         profile::time(Class::Embedding, || self.embed.forward(tokens).cast(dtype))
     }
 

@@ -609,6 +609,7 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
         .recomputing(recipe.training.recompute)
         .computing_in(recipe.training.precision.compute())
         .warming_up(recipe.training.warmup_steps())
+        .validating_with(run::inference_attention(&specs[0]))
         .data_parallel(ranks),
     );
     let trainee = Trainee {

@@ -18,7 +18,7 @@ use burn::train::{InferenceStep, Interrupter, TrainOutput, TrainStep};
 use diffzoo_datasets::LmBatch;
 use diffzoo_models::cross_entropy::cross_entropy;
 use diffzoo_models::profile::{self, Pass};
-use diffzoo_models::{Model, compute_copy, target_log_probs};
+use diffzoo_models::{AttentionImpl, Model, compute_copy, target_log_probs};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Instant;
 
@@ -98,6 +98,9 @@ pub struct StepContext {
     pub compute: Option<FloatDType>,
     /// Steps of the warm-up of DIFF's negative map (`training.lambda_warmup`), if any.
     pub lambda_warmup: Option<usize>,
+    /// The attention validation passes computing in f32 take instead of the recipe's, if any
+    /// ([`crate::run::inference_attention`]).
+    valid_attention: Option<AttentionImpl>,
     pub batch_tokens: u64,
     pub total_steps: usize,
     pub interrupter: Interrupter,
@@ -151,6 +154,7 @@ impl StepContext {
             recompute: Recompute::None,
             compute: None,
             lambda_warmup: None,
+            valid_attention: None,
             batch_tokens,
             total_steps: intervals.total,
             requests: Interrupter::new(),
@@ -189,6 +193,22 @@ impl StepContext {
     pub fn warming_up(mut self, lambda_warmup: Option<usize>) -> Self {
         self.lambda_warmup = lambda_warmup;
         self
+    }
+
+    /// Validation passes computing in f32 take `attention` (`None`: the recipe's).
+    pub fn validating_with(mut self, attention: Option<AttentionImpl>) -> Self {
+        self.valid_attention = attention;
+        self
+    }
+
+    /// The model validation computes with after `done` steps: [`Self::model_at`]'s, in the
+    /// compute dtype, with [`Self::validating_with`]'s attention where that dtype is f32.
+    fn valid_model(&self, model: &Model, done: usize) -> Model {
+        let model = compute_copy(&self.model_at(model, done), self.compute);
+        match self.valid_attention {
+            Some(attention) if model.dtype() == DType::F32 => model.with_attention_impl(attention),
+            _ => model,
+        }
     }
 
     /// The warm-up's scale of λ after `done` steps, when there is a warm-up.
@@ -475,8 +495,7 @@ impl InferenceStep for Trainee {
 
     fn step(&self, item: StepBatch) -> StepStats {
         let context = self.context();
-        let model = context.model_at(&self.model, context.control.steps_done());
-        let model = compute_copy(&model, context.compute);
+        let model = context.valid_model(&self.model, context.control.steps_done());
         let (loss, tokens) = over_batches(&item.micro, |batch| lm_loss(&model, batch));
         let stats = StepStats {
             loss,
@@ -521,6 +540,10 @@ mod tests {
     }
 
     fn context(dir: &std::path::Path, ranks: usize) -> Arc<StepContext> {
+        Arc::new(micro_context(dir).data_parallel(ranks))
+    }
+
+    fn micro_context(dir: &std::path::Path) -> StepContext {
         let micro = recipe::resolve("micro", &[]).unwrap().recipe;
         let log = MetricsLog::open(&dir.join("metrics.jsonl")).unwrap();
         let intervals = Intervals {
@@ -529,7 +552,7 @@ mod tests {
             interval: 10,
             total: 20,
         };
-        let context = StepContext::new(
+        StepContext::new(
             Schedule::from_recipe(&micro),
             1.0,
             256,
@@ -538,8 +561,44 @@ mod tests {
             None,
             2,
             log,
-        );
-        Arc::new(context.data_parallel(ranks))
+        )
+    }
+
+    /// Validation computing in f32 takes the attention it is given (on Flex, inference's
+    /// explicit path) in place of the recipe's; a bf16 compute copy keeps the recipe's (the
+    /// blocks path takes f32 only, elsewhere the explicit path would hold S×S maps).
+    #[test]
+    fn validation_in_f32_takes_the_inference_attention() {
+        let dir = tempfile::tempdir().unwrap();
+        let flash = AttentionImpl::Flash { block: 16 };
+        let recipe = recipe::resolve(
+            "micro",
+            &[
+                "model.attention_impl=\"flash\"".into(),
+                "model.attention_block=16".into(),
+            ],
+        )
+        .unwrap()
+        .recipe;
+        let model = recipe.model_config().init(&burn::tensor::Device::flex());
+        let validated = |context: StepContext| -> Vec<AttentionImpl> {
+            let model = context.valid_model(&model, 0);
+            model
+                .blocks
+                .iter()
+                .map(|b| b.attn.implementation())
+                .collect()
+        };
+        let explicit = crate::run::inference_attention("flex");
+        assert_eq!(explicit, Some(AttentionImpl::Explicit));
+        assert_eq!(crate::run::inference_attention("ndarray"), None);
+        assert_eq!(validated(micro_context(dir.path())), [flash; 2]);
+        let context = micro_context(dir.path()).validating_with(explicit);
+        assert_eq!(validated(context), [AttentionImpl::Explicit; 2]);
+        let context = micro_context(dir.path())
+            .validating_with(explicit)
+            .computing_in(Some(FloatDType::BF16));
+        assert_eq!(validated(context), [flash; 2]);
     }
 
     /// Each rank reports its share of `step` from its own thread, as DDP's workers do.
