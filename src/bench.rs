@@ -117,7 +117,9 @@ pub struct BenchArgs {
     pub python: Option<PathBuf>,
     /// Also break a training step's forward and backward passes, and a decoding step, into
     /// classes of operation (matmul, attention, norm, rotary, activation, embedding, loss, other),
-    /// PyTorch's beside ours with --torch; CPU devices only (see `src/bench/profile.rs`).
+    /// PyTorch's beside ours with --torch; CPU devices only (see `src/bench/profile.rs`). In f32
+    /// on a device that reads bf16 weights the decoding step is also profiled with bf16 weight
+    /// matrices, as `generate --dtype bf16` decodes.
     #[arg(long)]
     pub profile: bool,
     /// Print JSON instead of a table.

@@ -2919,6 +2919,12 @@ fn bench_profile_breaks_each_pass_into_classes() {
     }
     let table = ok(&[&["bench", "--device", "flex", "--profile"], &shape[..]].concat());
     assert!(table.contains("profile of a flex diff step"), "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.trim_start().starts_with("class") && l.trim_end().ends_with("bf16 dec")),
+        "{table}"
+    );
     let speedup = table
         .split_once("as `generate --dtype bf16` runs: ")
         .and_then(|(_, rest)| rest.split_once("× the f32 step's speed"))
@@ -2932,8 +2938,10 @@ fn bench_profile_breaks_each_pass_into_classes() {
         ]
         .concat(),
     );
+    let profile = &bf16["rows"][0]["profile"];
+    assert!(profile["decode"].is_object(), "{bf16}");
     assert!(
-        bf16["rows"][0]["profile"].get("decode_bf16").is_none(),
+        profile.get("decode_bf16").is_none(),
         "a bf16 step's decoding is already in bf16: {bf16}"
     );
     for class in classes {

@@ -60,7 +60,8 @@ impl PassProfile {
     }
 }
 
-/// A training step's passes and, on our side, a decoding step's.
+/// A training step's passes and, on our side, a decoding step's (and, beside an f32 step, the
+/// same decoding step with bf16 weight matrices).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepProfile {
     pub forward: PassProfile,
@@ -144,7 +145,7 @@ pub fn print(rows: &[Row]) {
             row.ours.attention,
             notes.join(", ")
         );
-        let line = |cells: [String; 7]| {
+        let line = |cells: [String; HEADER.len()]| {
             let [name, rest @ ..] = cells;
             let rest: Vec<String> = rest.iter().map(|c| format!("{c:>9}")).collect();
             println!("  {name:<11} {}", rest.join(" ").trim_end());
@@ -184,11 +185,11 @@ pub fn print(rows: &[Row]) {
             ms(ours.decode.as_ref().map(|d| d.total)),
             decode_bf16.map_or(String::new(), |d| ms(Some(d.total))),
         ]);
-        if let (Some(f32), Some(bf16)) = (&ours.decode, decode_bf16) {
+        if let (Some(full), Some(bf16)) = (&ours.decode, decode_bf16) {
             println!(
                 "  bf16 dec: the decoding step with bf16 weight matrices and f32 activations, as \
                  `generate --dtype bf16` runs: {:.2}× the f32 step's speed",
-                f32.total / bf16.total
+                full.total / bf16.total
             );
         }
     }
