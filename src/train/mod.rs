@@ -591,59 +591,23 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
         total,
     };
     let interrupter = Interrupter::new();
-    let schedule = Schedule::from_recipe(recipe);
-    let context = Arc::new(
-        StepContext::new(
-            schedule,
-            recipe.optimizer.grad_clip,
-            recipe.training.batch_tokens as u64,
-            intervals,
-            interrupter.clone(),
-            (!dashboard).then_some(recipe.training.log_every),
-            data.valid_batches,
-            MetricsLog::open(&dir.join(run::METRICS))
-                .with_context(|| format!("opening {}", dir.join(run::METRICS).display()))?
-                .with_tensorboard(&dir.join(tensorboard::DIR), &dir.join(run::METRICS))
-                .with_context(|| format!("writing {}", dir.join(tensorboard::DIR).display()))?,
-        )
-        .recomputing(recipe.training.recompute)
-        .computing_in(recipe.training.precision.compute())
-        .warming_up(recipe.training.warmup_steps())
-        .validating_with(run::inference_attention(&specs[0]))
-        .data_parallel(ranks),
-    );
+    let context = step_context(
+        recipe,
+        &dir,
+        intervals,
+        &interrupter,
+        dashboard,
+        data.valid_batches,
+        &specs,
+    )?;
     let trainee = Trainee {
         model,
         context: Some(context.clone()),
     };
     announce(&resolved, &spec, &dir, shares, ranks, &resume_from);
 
-    let micro = recipe.training.micro_batch;
-    let mut train_loader = StepLoader::training(
-        data.train,
-        recipe.training.seed,
-        recipe.batch_sequences(),
-        micro,
-        intervals,
-        device.clone(),
-    )
-    .with_control(context.control.clone());
-    if let Some(mixture) = data.mixture {
-        train_loader = train_loader.with_mixture(mixture);
-    }
-    let strategy = if ranks == 1 {
-        ExecutionStrategy::single(train_device)
-    } else {
-        train_loader = train_loader.data_parallel(ranks);
-        ExecutionStrategy::ddp(
-            devices.into_iter().map(Device::autodiff).collect(),
-            DistributedConfig {
-                all_reduce_op: ReduceOperation::Mean,
-            },
-        )
-    };
-    let valid_loader = StepLoader::validation(data.valid, micro, data.valid_batches, device)
-        .with_control(context.control.clone());
+    let (train_loader, valid_loader, strategy) =
+        loaders(recipe, data, intervals, devices, train_device, &context);
     let checkpoints = CheckpointWriter::new(
         &dir.join(run::CHECKPOINTS),
         (resume_from.number > 0).then_some(resume_from),
@@ -695,13 +659,93 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
     if resume_from.number > 0 {
         training = training.checkpoint(resume_from.number);
     }
-    let scheduler = ModuleLrScheduler::new(ScheduleState::new(schedule));
+    let scheduler = ModuleLrScheduler::new(ScheduleState::new(Schedule::from_recipe(recipe)));
     let result = training.launch(Learner::new(
         trainee,
         optimizer(&recipe.optimizer)?,
         scheduler,
     ));
     finish(args, recipe, &dir, &context, &checkpoints, result)
+}
+
+/// What every step of a run in `dir` reports to and computes with: the recipe's schedule,
+/// clipping, recomputation, precision and λ warm-up, validation's attention on `specs`' first
+/// device (where validation runs), the metrics log and TensorBoard's events, a line every
+/// `training.log_every` steps without the dashboard, one share of each step per device.
+fn step_context(
+    recipe: &Recipe,
+    dir: &Path,
+    intervals: Intervals,
+    interrupter: &Interrupter,
+    dashboard: bool,
+    valid_batches: usize,
+    specs: &[String],
+) -> Result<Arc<StepContext>> {
+    let metrics = dir.join(run::METRICS);
+    let log = MetricsLog::open(&metrics)
+        .with_context(|| format!("opening {}", metrics.display()))?
+        .with_tensorboard(&dir.join(tensorboard::DIR), &metrics)
+        .with_context(|| format!("writing {}", dir.join(tensorboard::DIR).display()))?;
+    let context = StepContext::new(
+        Schedule::from_recipe(recipe),
+        recipe.optimizer.grad_clip,
+        recipe.training.batch_tokens as u64,
+        intervals,
+        interrupter.clone(),
+        (!dashboard).then_some(recipe.training.log_every),
+        valid_batches,
+        log,
+    )
+    .recomputing(recipe.training.recompute)
+    .computing_in(recipe.training.precision.compute())
+    .warming_up(recipe.training.warmup_steps())
+    .validating_with(run::inference_attention(&specs[0]))
+    .data_parallel(specs.len());
+    Ok(Arc::new(context))
+}
+
+/// The loaders of a run's training and validation batches (on the first of `devices`, where
+/// `train_device` is its autodiff view), and how the learner runs a step: on that device, or
+/// data-parallel over all of them, each loading its share.
+fn loaders(
+    recipe: &Recipe,
+    data: TrainingData,
+    intervals: Intervals,
+    devices: Vec<Device>,
+    train_device: Device,
+    context: &StepContext,
+) -> (StepLoader, StepLoader, ExecutionStrategy) {
+    let (micro, ranks, device) = (
+        recipe.training.micro_batch,
+        devices.len(),
+        devices[0].clone(),
+    );
+    let mut train_loader = StepLoader::training(
+        data.train,
+        recipe.training.seed,
+        recipe.batch_sequences(),
+        micro,
+        intervals,
+        device.clone(),
+    )
+    .with_control(context.control.clone());
+    if let Some(mixture) = data.mixture {
+        train_loader = train_loader.with_mixture(mixture);
+    }
+    let strategy = if ranks == 1 {
+        ExecutionStrategy::single(train_device)
+    } else {
+        train_loader = train_loader.data_parallel(ranks);
+        ExecutionStrategy::ddp(
+            devices.into_iter().map(Device::autodiff).collect(),
+            DistributedConfig {
+                all_reduce_op: ReduceOperation::Mean,
+            },
+        )
+    };
+    let valid_loader = StepLoader::validation(data.valid, micro, data.valid_batches, device)
+        .with_control(context.control.clone());
+    (train_loader, valid_loader, strategy)
 }
 
 /// The devices `train` runs on (`--devices`, `--device` or the recipe's), each set up for the
