@@ -565,7 +565,7 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
         .clone()
         .unwrap_or_else(|| Path::new("runs").join(&resolved.name));
     let data = TrainingData::open(args, &resolved)?;
-    let train_device = device.clone().autodiff();
+    let train_device = device.autodiff();
     train_device.seed(recipe.training.seed);
     let model = initial_model(args, &resolved, &train_device)?;
 
@@ -669,9 +669,11 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
 }
 
 /// What every step of a run in `dir` reports to and computes with: the recipe's schedule,
-/// clipping, recomputation, precision and λ warm-up, validation's attention on `specs`' first
-/// device (where validation runs), the metrics log and TensorBoard's events, a line every
-/// `training.log_every` steps without the dashboard, one share of each step per device.
+/// clipping, tokens per step, recomputation, precision and λ warm-up, the checkpoint
+/// `intervals`, the `interrupter` that stops it, `valid_batches` validation batches at each
+/// checkpoint with validation's attention on `specs`' first device (where validation runs),
+/// the metrics log and TensorBoard's events, a line every `training.log_every` steps without
+/// the dashboard, one share of each step per device.
 fn step_context(
     recipe: &Recipe,
     dir: &Path,
