@@ -132,18 +132,17 @@ pub fn print(rows: &[Row]) {
             continue;
         };
         let theirs = row.torch.as_ref().and_then(|t| t.profile.as_ref());
-        let mut notes = vec!["each class timed where it runs".to_string()];
-        if !ours.replayed.is_empty() {
-            notes.push(format!(
-                "* backward of its replays timed alone: {}; -: not measured, in other",
-                ours.replayed.join(", ")
-            ));
-        }
         println!(
             "\nprofile of a {} {} step, ms ({}; PyTorch: torch.profiler):",
             row.device,
             row.ours.attention,
-            notes.join(", ")
+            match ours.replayed.is_empty() {
+                true => "each class timed where it runs".to_string(),
+                false => format!(
+                    "each class timed where it runs, * backward of its replays timed alone: {}; -: not measured, in other",
+                    ours.replayed.join(", ")
+                ),
+            }
         );
         let line = |cells: [String; HEADER.len()]| {
             let [name, rest @ ..] = cells;
