@@ -13,8 +13,17 @@
 //! passes, all on one thread; here each (sequence, kv head, position) is one task, on the threads
 //! of [`crate::team`] from a quarter million multiply-adds (on the calling thread below), that
 //! reads its kv head's keys once for all its query heads and its values once per query head (64
-//! columns at a time, summed in registers), in place (K and V in f32 or
-//! in bf16, a cache kept narrower: [`crate::cache`], widened as read). Its dot products and
+//! columns at a time, summed in registers). Where those tasks would not divide evenly among the
+//! threads (three kv heads of one sequence on two), each kv head's keys are cut into one chunk
+//! per thread (of at least 256 keys, `CHUNK_KEYS`), each chunk's softmax normalised by its own
+//! largest logit and sum, then combined, flash-decoding's split:
+//!
+//! ```text
+//! o = Σ_c w_c·o_c,   w_c = e^(m_c − M)·s_c / Σ_c' e^(m_c' − M)·s_c',   M = max_c m_c
+//! ```
+//!
+//! All of it in place (K and V in f32 or in bf16, a cache kept narrower: [`crate::cache`],
+//! widened as read). Its dot products and
 //! weighted sums run in the widest registers the CPU has: AVX-512's, or AVX2's with fused
 //! multiply-adds, else in loops the compiler vectorises. Only Flex with f32 queries,
 //! contiguous last dimensions and the shapes above takes it: [`attention`] answers `None` for
@@ -105,7 +114,7 @@ mod flex {
     use burn::backend::tensor::{BoolTensor, FloatTensor};
     use burn::backend::{Flex, TensorMetadata};
     use burn::tensor::{DType, Element, TensorData, bf16};
-    use std::sync::Mutex;
+    use std::sync::{Mutex, OnceLock};
 
     /// A 4-d tensor's elements (f32 or bf16) by index (`None` unless of `E`'s dtype with a
     /// contiguous last dimension).
@@ -195,45 +204,105 @@ mod flex {
             None => Masked::Causal { past: t - s },
         };
         let scale = 1.0 / (d as f32).sqrt();
-        let mut out = vec![0.0f32; b * h * s * d_v];
-        // Output rows `[b, h, i]`, each written by the one task of its kv group.
-        let rows: Vec<Mutex<&mut [f32]>> = out.chunks_mut(d_v).map(Mutex::new).collect();
-        // One task per (sequence, kv head, position): its n_rep query heads read each key and
-        // value once.
-        let group = |task: usize| {
-            let (bi, g, i) = (task / (h_kv * s), task / s % h_kv, task % s);
-            let heads = g * n_rep..(g + 1) * n_rep;
+        // Below a quarter million multiply-adds handing tasks to other threads costs more than
+        // it saves; above, they go to the team that runs decoding's products, the keys cut into
+        // chunks where the kv groups alone would not divide evenly among its threads.
+        let groups = b * h_kv * s;
+        let parallel = b * h * s * t * (d + d_v) >= 1 << 18;
+        let threads = rayon::current_num_threads().max(1);
+        let chunks = match parallel && groups % threads != 0 {
+            true => threads.min(t / CHUNK_KEYS).max(1),
+            false => 1,
+        };
+        // One task per (sequence, kv head, position, chunk of keys): its n_rep query heads read
+        // each of its keys and values once, into the task's own rows and spreads.
+        let tasks = groups * chunks;
+        let mut parts = vec![0.0f32; tasks * n_rep * d_v];
+        let slots: Vec<Mutex<&mut [f32]>> = parts.chunks_mut(n_rep * d_v).map(Mutex::new).collect();
+        let spreads: Vec<OnceLock<Vec<Spread>>> = (0..tasks).map(|_| OnceLock::new()).collect();
+        let task = |task: usize| {
+            let (group, c) = (task / chunks, task % chunks);
+            let (bi, g, i) = (group / (h_kv * s), group / s % h_kv, group % s);
+            let keys = c * t / chunks..(c + 1) * t / chunks;
+            let from = keys.start;
             let head = Group {
-                queries: heads.clone().map(|hi| qs.row(bi, hi, i)).collect(),
-                key: |j| ks.row(bi, g, j),
-                value: |j| vs.row(bi, g, j),
-                masked: |j| masked.at(bi, i, j),
-                keys: t,
+                queries: (g * n_rep..(g + 1) * n_rep)
+                    .map(|hi| qs.row(bi, hi, i))
+                    .collect(),
+                key: |j| ks.row(bi, g, from + j),
+                value: |j| vs.row(bi, g, from + j),
+                masked: |j| masked.at(bi, i, from + j),
+                keys: keys.len(),
                 scale,
                 element: std::marker::PhantomData,
             };
-            let mut outs: Vec<_> = heads
-                .map(|hi| {
-                    rows[(bi * h + hi) * s + i]
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                })
-                .collect();
-            let mut outs: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut ***o).collect();
-            head.attend(&mut outs);
+            let mut slot = slots[task].lock().unwrap_or_else(|p| p.into_inner());
+            let mut outs: Vec<&mut [f32]> = slot.chunks_mut(d_v).collect();
+            // Each task runs once (team::run), so its spread is empty.
+            let _ = spreads[task].set(head.attend(&mut outs));
         };
-        // Below a quarter million multiply-adds handing tasks to other threads costs more than
-        // it saves; above, they go to the team that runs decoding's products.
-        let tasks = b * h_kv * s;
-        match b * h * s * t * (d + d_v) < 1 << 18 {
-            true => (0..tasks).for_each(group),
-            false => crate::team::run(tasks, &group),
+        match parallel {
+            true => crate::team::run(tasks, &task),
+            false => (0..tasks).for_each(task),
         }
-        drop(rows);
+        drop(slots);
+        let spreads: Vec<Vec<Spread>> = spreads
+            .into_iter()
+            .map(|s| s.into_inner().expect("every task runs"))
+            .collect();
+        let mut out = vec![0.0f32; b * h * s * d_v];
+        for group in 0..groups {
+            let (bi, g, i) = (group / (h_kv * s), group / s % h_kv, group % s);
+            for r in 0..n_rep {
+                let row = &mut out[((bi * h + g * n_rep + r) * s + i) * d_v..][..d_v];
+                let part = |c: usize| &parts[((group * chunks + c) * n_rep + r) * d_v..][..d_v];
+                let spread = |c: usize| spreads[group * chunks + c][r];
+                combine(row, (0..chunks).map(|c| (spread(c), part(c))));
+            }
+        }
         Some(Flex::float_from_data(
             TensorData::new(out, [b, h, s, d_v]),
             &q.device(),
         ))
+    }
+
+    /// The fewest keys a chunk of a kv group's keys holds when they are cut for more tasks.
+    const CHUNK_KEYS: usize = 256;
+
+    /// One task's softmax over its keys: the largest logit and `Σ_j e^(ℓ_j − max)`.
+    #[derive(Clone, Copy)]
+    struct Spread {
+        max: f32,
+        sum: f32,
+    }
+
+    /// `row = Σ_c w_c·o_c` for the chunks' outputs `o_c` (each normalised by its own spread),
+    /// `w_c = e^(max_c − M)·sum_c / Σ_c' e^(max_c' − M)·sum_c'` with M the largest max: the
+    /// softmax over all the chunks' keys. Chunks whose keys are all masked (max −∞, their
+    /// outputs not numbers) are left out; if every key is, the row is the first chunk's (what
+    /// one chunk computes alone).
+    fn combine<'a>(row: &mut [f32], chunks: impl Iterator<Item = (Spread, &'a [f32])> + Clone) {
+        let seen = chunks
+            .clone()
+            .filter(|(spread, _)| spread.max > f32::NEG_INFINITY);
+        let top = seen
+            .clone()
+            .map(|(spread, _)| spread.max)
+            .fold(f32::NEG_INFINITY, f32::max);
+        if top == f32::NEG_INFINITY {
+            if let Some((_, part)) = chunks.clone().next() {
+                row.copy_from_slice(part);
+            }
+            return;
+        }
+        let weight = |spread: Spread| (spread.max - top).exp() * spread.sum;
+        let total: f32 = seen.clone().map(|(spread, _)| weight(spread)).sum();
+        for (spread, part) in seen {
+            let w = weight(spread) / total;
+            for (o, p) in row.iter_mut().zip(part) {
+                *o += w * p;
+            }
+        }
     }
 
     /// Which keys a query may not see.
@@ -301,8 +370,8 @@ mod flex {
         M: Fn(usize) -> bool,
     {
         /// Adds each query's attention output to its row of `outs` (zeros), compiled for the
-        /// widest vectors the CPU has.
-        fn attend(&self, outs: &mut [&mut [f32]]) {
+        /// widest vectors the CPU has; each query's spread over the keys.
+        fn attend(&self, outs: &mut [&mut [f32]]) -> Vec<Spread> {
             #[cfg(target_arch = "x86_64")]
             {
                 if std::arch::is_x86_feature_detected!("avx512f") {
@@ -319,13 +388,13 @@ mod flex {
             self.attend_portable(outs)
         }
 
-        fn attend_portable(&self, outs: &mut [&mut [f32]]) {
+        fn attend_portable(&self, outs: &mut [&mut [f32]]) -> Vec<Spread> {
             self.attend_with(outs, dot, |p, c| self.weigh_portable(p, c))
         }
 
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx512f")]
-        fn attend_avx512(&self, outs: &mut [&mut [f32]]) {
+        fn attend_avx512(&self, outs: &mut [&mut [f32]]) -> Vec<Spread> {
             // SAFETY: this function runs with AVX-512F.
             self.attend_with(
                 outs,
@@ -336,7 +405,7 @@ mod flex {
 
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx2,fma")]
-        fn attend_avx2(&self, outs: &mut [&mut [f32]]) {
+        fn attend_avx2(&self, outs: &mut [&mut [f32]]) -> Vec<Spread> {
             // SAFETY: this function runs with AVX2 and FMA.
             self.attend_with(
                 outs,
@@ -353,7 +422,7 @@ mod flex {
             outs: &mut [&mut [f32]],
             dot: impl Fn(&[f32], &[E]) -> f32,
             weigh: impl Fn(&[f32], usize) -> [f32; COLUMNS],
-        ) {
+        ) -> Vec<Spread> {
             // Plain loops: an iterator's `collect` or `fold` may be compiled out of line, without
             // this function's vector instructions. Logits `[query, key]`.
             let (n, keys) = (self.queries.len(), self.keys);
@@ -392,6 +461,10 @@ mod flex {
                     }
                 }
             }
+            max.into_iter()
+                .zip(sum)
+                .map(|(max, sum)| Spread { max, sum })
+                .collect()
         }
 
         /// Key j's values in the c-th block of [`COLUMNS`] columns.
@@ -510,7 +583,7 @@ mod flex {
             for name in ["portable", "avx2", "avx512"] {
                 let mut rows = vec![vec![0.0f32; d_v]; n];
                 let mut outs: Vec<&mut [f32]> = rows.iter_mut().map(Vec::as_mut_slice).collect();
-                match name {
+                let _spreads = match name {
                     "portable" => group.attend_portable(&mut outs),
                     #[cfg(target_arch = "x86_64")]
                     "avx2"
@@ -526,7 +599,7 @@ mod flex {
                         unsafe { group.attend_avx512(&mut outs) }
                     }
                     _ => continue,
-                }
+                };
                 for (r, (got, want)) in rows.iter().zip(&want).enumerate() {
                     for (c, (g, w)) in got.iter().zip(want).enumerate() {
                         assert!(
@@ -542,6 +615,69 @@ mod flex {
         fn every_implementation_agrees_with_the_attention_in_f64() {
             agree::<f32>(|v| v, |v| v);
             agree::<bf16>(bf16::from_f32, bf16::to_f32);
+        }
+
+        /// Keys cut into chunks (three kv groups on two threads, 700 keys: two chunks) combine
+        /// into the attention over all of them, in f64, with keys and values in f32 and bf16,
+        /// causal and under a mask that hides the whole first chunk and some keys of the second.
+        #[test]
+        fn chunks_of_keys_combine_into_the_attention_over_all() {
+            use burn::tensor::{Bool, Device, Distribution, Tensor};
+            let device = Device::flex();
+            let (h_kv, n_rep, t, d) = (3, 3, 700, 64);
+            device.seed(5);
+            let normal = Distribution::Normal(0.0, 1.0);
+            let q = Tensor::<4>::random([1, h_kv * n_rep, 1, d], normal, &device);
+            let k = Tensor::<4>::random([1, h_kv, t, d], normal, &device);
+            let v = Tensor::<4>::random([1, h_kv, t, d], normal, &device);
+            let hidden: Vec<bool> = (0..t).map(|j| j < 400 || j % 7 == 3).collect();
+            let mask = Tensor::<4, Bool>::from_data(
+                TensorData::new(hidden.clone(), [1, 1, 1, t]),
+                &device,
+            );
+            let values = |x: Tensor<4>| -> Vec<f64> {
+                let data = x.cast(DType::F32).into_data().to_vec::<f32>().unwrap();
+                data.into_iter().map(f64::from).collect()
+            };
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(2)
+                .build()
+                .unwrap();
+            for dtype in [DType::F32, DType::BF16] {
+                let (k, v) = (k.clone().cast(dtype), v.clone().cast(dtype));
+                let [qs, ks, vs] = [&q, &k, &v].map(|x| values(x.clone()));
+                for mask in [None, Some(&mask)] {
+                    let got = pool.install(|| super::super::attention(&q, &k, &v, mask));
+                    let got = values(got.expect("Flex computes it"));
+                    for hi in 0..h_kv * n_rep {
+                        let g = hi / n_rep;
+                        let logits: Vec<f64> = (0..t)
+                            .map(|j| match mask.is_some() && hidden[j] {
+                                true => f64::NEG_INFINITY,
+                                false => {
+                                    let dot: f64 = (0..d)
+                                        .map(|c| qs[hi * d + c] * ks[(g * t + j) * d + c])
+                                        .sum();
+                                    dot / (d as f64).sqrt()
+                                }
+                            })
+                            .collect();
+                        let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                        let p: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
+                        let sum: f64 = p.iter().sum();
+                        for c in 0..d {
+                            let want: f64 =
+                                (0..t).map(|j| p[j] / sum * vs[(g * t + j) * d + c]).sum();
+                            let got = got[hi * d + c];
+                            assert!(
+                                (got - want).abs() < 1e-5,
+                                "{dtype:?}, mask {}: head {hi}, column {c}: {got} against {want}",
+                                mask.is_some()
+                            );
+                        }
+                    }
+                }
+            }
         }
     }
 }
