@@ -22,7 +22,7 @@
 //! multiply-add), with AVX2 and FMA by the same passes eight lanes wide, the next group of W's
 //! rows or columns asked for before it is read; with AVX2, a single row of x (one sequence
 //! decoding) reads short rows or columns of W one at a time, in memory order, asking for W a
-//! fixed distance ahead ([`flex`]'s `streamed`); elsewhere by loops the compiler vectorises.
+//! fixed distance ahead (`flex::streamed`); elsewhere by loops the compiler vectorises.
 //! Sums are in f32 in another order than gemm's: results agree with the plain product to f32
 //! rounding. Every other backend, dtype, layout, or more rows, takes the plain product
 //! ([`crate::product::product`]: on Flex in f32, gemm into a fresh output).
@@ -389,7 +389,8 @@ pub(crate) mod flex {
 
     /// [`product_avx512`]'s passes eight lanes wide, for CPUs with AVX2 and FMA but no AVX-512:
     /// the compiler's own AVX2 code of the portable loops multiplies and adds apart (measured on
-    /// an AVX2 AMD EPYC: bf16 weights decoded only 1.25–1.51× as fast as f32 ones).
+    /// an AVX2 AMD EPYC: bf16 weights decoded only 1.25–1.51× as fast as f32 ones). With one row
+    /// of x, short rows or columns of W are read one at a time ([`streamed`]).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     fn product_avx2<E: Widen>(
@@ -683,7 +684,7 @@ pub(crate) mod flex {
             /// The longest row (or column) of W, in bytes, that a product of one row of x reads
             /// alone and in memory order ([`super::streamed`]). Measured on an AVX2 AMD EPYC at a
             /// 135M model's shapes, four rows at once streamed rows of 1,152 bytes (bf16, 576
-            /// wide) at 20–22 GB/s and one at a time, in memory order, at 25–29 (likely: four
+            /// wide) at 18–22 GB/s and one at a time, in memory order, at 25–29 (likely: four
             /// interleaved streams of 18 cache lines each end before the hardware prefetcher has
             /// caught on). Rows of 6 KB (f32, 1,536 wide) read faster four at once, and so does
             /// more than one row of x (each row of W then loads and stores every output m times).

@@ -23,11 +23,10 @@
 //! ```
 //!
 //! All of it in place (K and V in f32 or in bf16, a cache kept narrower: [`crate::cache`],
-//! widened as read). Its dot products and
-//! weighted sums run in the widest registers the CPU has: AVX-512's, or AVX2's with fused
-//! multiply-adds, else in loops the compiler vectorises. Only Flex with f32 queries,
-//! contiguous last dimensions and the shapes above takes it: [`attention`] answers `None` for
-//! everything else, autodiff included.
+//! widened as read). Its dot products and weighted sums run in the widest registers the CPU has:
+//! AVX-512's, or AVX2's with fused multiply-adds, else in loops the compiler vectorises. Only
+//! Flex with f32 queries, contiguous last dimensions and the shapes above takes it:
+//! [`attention`] answers `None` for everything else, autodiff included.
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
 #![allow(deprecated)]
 
@@ -209,9 +208,8 @@ mod flex {
         // chunks where the kv groups alone would not divide evenly among its threads.
         let groups = b * h_kv * s;
         let parallel = b * h * s * t * (d + d_v) >= 1 << 18;
-        let threads = rayon::current_num_threads().max(1);
-        let chunks = match parallel && groups % threads != 0 {
-            true => threads.min(t / CHUNK_KEYS).max(1),
+        let chunks = match parallel {
+            true => key_chunks(groups, rayon::current_num_threads(), t),
             false => 1,
         };
         // One task per (sequence, kv head, position, chunk of keys): its n_rep query heads read
@@ -269,32 +267,43 @@ mod flex {
     /// The fewest keys a chunk of a kv group's keys holds when they are cut for more tasks.
     const CHUNK_KEYS: usize = 256;
 
-    /// One task's softmax over its keys: the largest logit and `Σ_j e^(ℓ_j − max)`.
+    /// Chunks each of `groups` kv groups' `keys` keys are cut into on `threads` threads: one per
+    /// thread where the groups alone would not divide evenly among them, as long as each holds
+    /// [`CHUNK_KEYS`]; else one.
+    fn key_chunks(groups: usize, threads: usize, keys: usize) -> usize {
+        let threads = threads.max(1);
+        match groups % threads {
+            0 => 1,
+            _ => threads.min(keys / CHUNK_KEYS).max(1),
+        }
+    }
+
+    /// One query's softmax over a task's keys: the largest logit, `Σ_j e^(ℓ_j − max)`, and
+    /// whether any of the keys is unmasked (a chunk of masked keys only has no softmax).
     #[derive(Clone, Copy)]
     struct Spread {
         max: f32,
         sum: f32,
+        seen: bool,
     }
 
     /// `row = Σ_c w_c·o_c` for the chunks' outputs `o_c` (each normalised by its own spread),
     /// `w_c = e^(max_c − M)·sum_c / Σ_c' e^(max_c' − M)·sum_c'` with M the largest max: the
-    /// softmax over all the chunks' keys. Chunks whose keys are all masked (max −∞, their
-    /// outputs not numbers) are left out; if every key is, the row is the first chunk's (what
-    /// one chunk computes alone).
+    /// softmax over all the chunks' keys. Chunks whose keys are all masked (their outputs not
+    /// numbers) are left out; if every key is, the row is the first chunk's (what one chunk
+    /// computes alone). A chunk's NaN (in its sum) reaches the row, as it would unchunked.
     fn combine<'a>(row: &mut [f32], chunks: impl Iterator<Item = (Spread, &'a [f32])> + Clone) {
-        let seen = chunks
-            .clone()
-            .filter(|(spread, _)| spread.max > f32::NEG_INFINITY);
-        let top = seen
-            .clone()
-            .map(|(spread, _)| spread.max)
-            .fold(f32::NEG_INFINITY, f32::max);
-        if top == f32::NEG_INFINITY {
+        let seen = chunks.clone().filter(|(spread, _)| spread.seen);
+        if seen.clone().next().is_none() {
             if let Some((_, part)) = chunks.clone().next() {
                 row.copy_from_slice(part);
             }
             return;
         }
+        let top = seen
+            .clone()
+            .map(|(spread, _)| spread.max)
+            .fold(f32::NEG_INFINITY, f32::max);
         let weight = |spread: Spread| (spread.max - top).exp() * spread.sum;
         let total: f32 = seen.clone().map(|(spread, _)| weight(spread)).sum();
         for (spread, part) in seen {
@@ -428,8 +437,10 @@ mod flex {
             let (n, keys) = (self.queries.len(), self.keys);
             let mut p = vec![0.0f32; n * keys];
             let mut max = vec![f32::NEG_INFINITY; n];
+            let mut seen = false;
             for j in 0..keys {
                 let (masked, key) = ((self.masked)(j), (self.key)(j));
+                seen |= !masked;
                 for (r, query) in self.queries.iter().enumerate() {
                     let l = match masked {
                         true => f32::NEG_INFINITY,
@@ -463,7 +474,7 @@ mod flex {
             }
             max.into_iter()
                 .zip(sum)
-                .map(|(max, sum)| Spread { max, sum })
+                .map(|(max, sum)| Spread { max, sum, seen })
                 .collect()
         }
 
@@ -617,67 +628,114 @@ mod flex {
             agree::<bf16>(bf16::from_f32, bf16::to_f32);
         }
 
-        /// Keys cut into chunks (three kv groups on two threads, 700 keys: two chunks) combine
-        /// into the attention over all of them, in f64, with keys and values in f32 and bf16,
+        /// Keys cut into two chunks combine into the attention over all of them, in f64: three
+        /// kv groups on two threads (one and three positions, 700 and 701 keys: chunks of
+        /// unequal length) and two sequences' six on four; keys and values in f32 and bf16,
         /// causal and under a mask that hides the whole first chunk and some keys of the second.
         #[test]
         fn chunks_of_keys_combine_into_the_attention_over_all() {
             use burn::tensor::{Bool, Device, Distribution, Tensor};
             let device = Device::flex();
-            let (h_kv, n_rep, t, d) = (3, 3, 700, 64);
-            device.seed(5);
+            let (h_kv, n_rep, d) = (3, 3, 64);
+            let h = h_kv * n_rep;
             let normal = Distribution::Normal(0.0, 1.0);
-            let q = Tensor::<4>::random([1, h_kv * n_rep, 1, d], normal, &device);
-            let k = Tensor::<4>::random([1, h_kv, t, d], normal, &device);
-            let v = Tensor::<4>::random([1, h_kv, t, d], normal, &device);
-            let hidden: Vec<bool> = (0..t).map(|j| j < 400 || j % 7 == 3).collect();
-            let mask = Tensor::<4, Bool>::from_data(
-                TensorData::new(hidden.clone(), [1, 1, 1, t]),
-                &device,
-            );
             let values = |x: Tensor<4>| -> Vec<f64> {
                 let data = x.cast(DType::F32).into_data().to_vec::<f32>().unwrap();
                 data.into_iter().map(f64::from).collect()
             };
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(2)
-                .build()
-                .unwrap();
-            for dtype in [DType::F32, DType::BF16] {
-                let (k, v) = (k.clone().cast(dtype), v.clone().cast(dtype));
-                let [qs, ks, vs] = [&q, &k, &v].map(|x| values(x.clone()));
-                for mask in [None, Some(&mask)] {
-                    let got = pool.install(|| super::super::attention(&q, &k, &v, mask));
-                    let got = values(got.expect("Flex computes it"));
-                    for hi in 0..h_kv * n_rep {
-                        let g = hi / n_rep;
-                        let logits: Vec<f64> = (0..t)
-                            .map(|j| match mask.is_some() && hidden[j] {
-                                true => f64::NEG_INFINITY,
-                                false => {
-                                    let dot: f64 = (0..d)
-                                        .map(|c| qs[hi * d + c] * ks[(g * t + j) * d + c])
-                                        .sum();
-                                    dot / (d as f64).sqrt()
-                                }
-                            })
-                            .collect();
-                        let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                        let p: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
-                        let sum: f64 = p.iter().sum();
-                        for c in 0..d {
-                            let want: f64 =
-                                (0..t).map(|j| p[j] / sum * vs[(g * t + j) * d + c]).sum();
-                            let got = got[hi * d + c];
-                            assert!(
-                                (got - want).abs() < 1e-5,
-                                "{dtype:?}, mask {}: head {hi}, column {c}: {got} against {want}",
-                                mask.is_some()
-                            );
+            for (b, s, t, threads) in [(1, 1, 700, 2), (1, 3, 701, 2), (2, 1, 700, 4)] {
+                assert_eq!(key_chunks(b * h_kv * s, threads, t), 2, "b={b} s={s} t={t}");
+                device.seed(5);
+                let q = Tensor::<4>::random([b, h, s, d], normal, &device);
+                let k = Tensor::<4>::random([b, h_kv, t, d], normal, &device);
+                let v = Tensor::<4>::random([b, h_kv, t, d], normal, &device);
+                let hidden: Vec<bool> = (0..t).map(|j| j < 400 || j % 7 == 3).collect();
+                let flags: Vec<bool> = (0..s).flat_map(|_| hidden.iter().copied()).collect();
+                let mask =
+                    Tensor::<4, Bool>::from_data(TensorData::new(flags, [1, 1, s, t]), &device);
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                for dtype in [DType::F32, DType::BF16] {
+                    let (k, v) = (k.clone().cast(dtype), v.clone().cast(dtype));
+                    let [qs, ks, vs] = [&q, &k, &v].map(|x| values(x.clone()));
+                    for mask in [None, Some(&mask)] {
+                        let got = pool.install(|| super::super::attention(&q, &k, &v, mask));
+                        let got = values(got.expect("Flex computes it"));
+                        let heads = (0..b).flat_map(|bi| (0..h).map(move |hi| (bi, hi)));
+                        for ((bi, hi), i) in heads.flat_map(|bh| (0..s).map(move |i| (bh, i))) {
+                            let kv = bi * h_kv + hi / n_rep;
+                            let query = &qs[((bi * h + hi) * s + i) * d..][..d];
+                            let logits: Vec<f64> = (0..t)
+                                .map(|j| {
+                                    let masked = match mask {
+                                        Some(_) => hidden[j],
+                                        None => j > t - s + i,
+                                    };
+                                    match masked {
+                                        true => f64::NEG_INFINITY,
+                                        false => {
+                                            let key = &ks[(kv * t + j) * d..][..d];
+                                            let dot: f64 =
+                                                query.iter().zip(key).map(|(a, b)| a * b).sum();
+                                            dot / (d as f64).sqrt()
+                                        }
+                                    }
+                                })
+                                .collect();
+                            let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                            let p: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
+                            let sum: f64 = p.iter().sum();
+                            for c in 0..d {
+                                let want: f64 =
+                                    (0..t).map(|j| p[j] / sum * vs[(kv * t + j) * d + c]).sum();
+                                let got = got[((bi * h + hi) * s + i) * d + c];
+                                assert!(
+                                    (got - want).abs() < 1e-5,
+                                    "b={b} s={s} t={t} {dtype:?}, mask {}: sequence {bi}, head \
+                                     {hi}, position {i}, column {c}: {got} against {want}",
+                                    mask.is_some()
+                                );
+                            }
                         }
                     }
                 }
             }
+        }
+
+        /// `combine`: one chunk gives its output exactly, chunks of masked keys only are left out
+        /// (all of them: the first chunk's output), two chunks weigh by their spreads, and a
+        /// chunk's NaN reaches the row.
+        #[test]
+        fn combine_weighs_the_chunks_by_their_spreads() {
+            let spread = |max: f32, sum: f32, seen: bool| Spread { max, sum, seen };
+            let combined = |chunks: &[(Spread, [f32; 2])]| {
+                let mut row = [0.0f32; 2];
+                combine(&mut row, chunks.iter().map(|(s, p)| (*s, &p[..])));
+                row
+            };
+            let part = [0.3f32, -1.7];
+            assert_eq!(combined(&[(spread(2.5, 1.3, true), part)]), part);
+            let masked = (spread(f32::NEG_INFINITY, f32::NAN, false), [f32::NAN; 2]);
+            assert_eq!(combined(&[masked, (spread(2.5, 1.3, true), part)]), part);
+            let [first, second] = combined(&[masked, masked]);
+            assert!(first.is_nan() && second.is_nan());
+            // Weights e^0·2 = 2 and e^-1·4 over their sum.
+            let [a, b] = combined(&[
+                (spread(1.0, 2.0, true), [1.0, 0.0]),
+                (spread(0.0, 4.0, true), [0.0, 1.0]),
+            ]);
+            let (wa, wb) = (2.0f32, (-1.0f32).exp() * 4.0);
+            assert!((a - wa / (wa + wb)).abs() < 1e-6 && (b - wb / (wa + wb)).abs() < 1e-6);
+            let broken = (spread(f32::NEG_INFINITY, f32::NAN, true), [f32::NAN; 2]);
+            assert!(combined(&[broken, (spread(2.5, 1.3, true), part)])[0].is_nan());
+            assert_eq!(key_chunks(3, 2, 511), 1, "under two chunks of 256 keys");
+            assert_eq!(
+                key_chunks(4, 2, 4096),
+                1,
+                "groups that divide among the threads"
+            );
         }
     }
 }
