@@ -14,9 +14,9 @@
 //! of [`crate::team`] from a quarter million multiply-adds (on the calling thread below), that
 //! reads its kv head's keys once for all its query heads and its values once per query head (64
 //! columns at a time, summed in registers). Where those tasks would not divide evenly among the
-//! threads (three kv heads of one sequence on two), each kv head's keys are cut into one chunk
-//! per thread (of at least 256 keys, `CHUNK_KEYS`), each chunk's softmax normalised by its own
-//! largest logit and sum, then combined, flash-decoding's split:
+//! threads (three kv heads of one sequence on two), each kv head's keys are cut into as many
+//! chunks as there are threads, but no more than hold 256 keys each (`CHUNK_KEYS`), each chunk's
+//! softmax normalised by its own largest logit and sum, then combined, flash-decoding's split:
 //!
 //! ```text
 //! o = Σ_c w_c·o_c,   w_c = e^(m_c − M)·s_c / Σ_c' e^(m_c' − M)·s_c',   M = max_c m_c
@@ -267,9 +267,9 @@ mod flex {
     /// The fewest keys a chunk of a kv group's keys holds when they are cut for more tasks.
     const CHUNK_KEYS: usize = 256;
 
-    /// Chunks each of `groups` kv groups' `keys` keys are cut into on `threads` threads: one per
-    /// thread where the groups alone would not divide evenly among them, as long as each holds
-    /// [`CHUNK_KEYS`]; else one.
+    /// Chunks each of `groups` kv groups' `keys` keys are cut into on `threads` threads: where the
+    /// groups alone would not divide evenly among them, as many as the threads but no more than
+    /// hold [`CHUNK_KEYS`] keys each (at least one); else one.
     fn key_chunks(groups: usize, threads: usize, keys: usize) -> usize {
         let threads = threads.max(1);
         match groups % threads {
@@ -535,14 +535,17 @@ mod flex {
     /// Output columns summed in registers at a time (four AVX-512 or eight AVX2 registers).
     const COLUMNS: usize = 64;
 
-    /// Every implementation this CPU runs agrees with the attention in f64, keys and values in
-    /// f32 and bf16, with masked keys, a query head group, widths with tails past the last
-    /// register and values wider than [`COLUMNS`]: the public dispatch reaches only the widest.
+    /// Every implementation this CPU runs against the attention in f64 (the public dispatch
+    /// reaches only the widest), keys cut into chunks through the public dispatch against it too,
+    /// and the chunks' combination and count on their own.
     #[cfg(test)]
     mod tests {
         use super::*;
 
         /// `to` makes an element from an f32, `back` reads it as the f32 it stands for.
+        /// Every implementation agrees with the attention in f64, keys and values in f32 and
+        /// bf16, with masked keys, a query head group, widths with tails past the last register
+        /// and values wider than [`COLUMNS`].
         fn agree<E: Widen>(to: fn(f32) -> E, back: fn(E) -> f32) {
             let (n, keys, d, d_v) = (3, 70, 27, 2 * COLUMNS + 13);
             let mut state = 11u32;
@@ -628,10 +631,11 @@ mod flex {
             agree::<bf16>(bf16::from_f32, bf16::to_f32);
         }
 
-        /// Keys cut into two chunks combine into the attention over all of them, in f64: three
-        /// kv groups on two threads (one and three positions, 700 and 701 keys: chunks of
-        /// unequal length) and two sequences' six on four; keys and values in f32 and bf16,
-        /// causal and under a mask that hides the whole first chunk and some keys of the second.
+        /// Keys cut into two chunks combine into the attention over all of them, in f64: one
+        /// sequence's three kv heads on two threads (one and three positions: 3 and 9 groups;
+        /// 700 and 701 keys: chunks of unequal length) and two sequences' six groups on four;
+        /// keys and values in f32 and bf16, causal and under a mask that hides the whole first
+        /// chunk and some keys of the second.
         #[test]
         fn chunks_of_keys_combine_into_the_attention_over_all() {
             use burn::tensor::{Bool, Device, Distribution, Tensor};
@@ -717,10 +721,15 @@ mod flex {
             };
             let part = [0.3f32, -1.7];
             assert_eq!(combined(&[(spread(2.5, 1.3, true), part)]), part);
-            let masked = (spread(f32::NEG_INFINITY, f32::NAN, false), [f32::NAN; 2]);
-            assert_eq!(combined(&[masked, (spread(2.5, 1.3, true), part)]), part);
-            let [first, second] = combined(&[masked, masked]);
-            assert!(first.is_nan() && second.is_nan());
+            let masked = |part: [f32; 2]| (spread(f32::NEG_INFINITY, f32::NAN, false), part);
+            assert_eq!(
+                combined(&[masked([f32::NAN; 2]), (spread(2.5, 1.3, true), part)]),
+                part
+            );
+            assert_eq!(
+                combined(&[masked([1.0, 2.0]), masked([3.0, 4.0])]),
+                [1.0, 2.0]
+            );
             // Weights e^0·2 = 2 and e^-1·4 over their sum.
             let [a, b] = combined(&[
                 (spread(1.0, 2.0, true), [1.0, 0.0]),
@@ -730,12 +739,18 @@ mod flex {
             assert!((a - wa / (wa + wb)).abs() < 1e-6 && (b - wb / (wa + wb)).abs() < 1e-6);
             let broken = (spread(f32::NEG_INFINITY, f32::NAN, true), [f32::NAN; 2]);
             assert!(combined(&[broken, (spread(2.5, 1.3, true), part)])[0].is_nan());
-            assert_eq!(key_chunks(3, 2, 511), 1, "under two chunks of 256 keys");
-            assert_eq!(
-                key_chunks(4, 2, 4096),
-                1,
-                "groups that divide among the threads"
-            );
+        }
+
+        /// As many chunks as threads where the groups do not divide among them, no more than
+        /// hold 256 keys each; one where they divide or too few keys for two.
+        #[test]
+        fn keys_are_cut_only_where_the_groups_do_not_divide_among_the_threads() {
+            assert_eq!(key_chunks(3, 2, 4096), 2);
+            assert_eq!(key_chunks(3, 16, 4096), 16);
+            assert_eq!(key_chunks(3, 16, 1000), 3);
+            assert_eq!(key_chunks(3, 2, 511), 1);
+            assert_eq!(key_chunks(4, 2, 4096), 1);
+            assert_eq!(key_chunks(3, 0, 4096), 1);
         }
     }
 }
