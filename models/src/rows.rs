@@ -154,7 +154,6 @@ pub(crate) mod flex {
     use burn::backend::{Flex, TensorMetadata};
     use burn::tensor::{DType, TensorData, bf16};
     use core::ops::Range;
-    use std::sync::OnceLock;
 
     /// A weight's element, read as the f32 it is or widens to exactly.
     pub(crate) trait Widen: Copy + Send + Sync {
@@ -300,7 +299,9 @@ pub(crate) mod flex {
                 // Partial products over bands of W's rows, then their sum.
                 let band = k.div_ceil(threads).next_multiple_of(4);
                 let bands: Vec<_> = (0..k).step_by(band).map(|i| i..(i + band).min(k)).collect();
-                let parts = on_team(&bands, |rows| product(x, m, k, weight, rows, 0..n));
+                let parts = crate::team::map(bands.len(), |b| {
+                    product(x, m, k, weight, bands[b].clone(), 0..n)
+                });
                 parts
                     .into_iter()
                     .reduce(|mut a, b| {
@@ -313,7 +314,9 @@ pub(crate) mod flex {
                 // Bands of W's columns, each a slice of y's columns.
                 let band = n.div_ceil(threads).max(1);
                 let bands: Vec<_> = (0..n).step_by(band).map(|j| j..(j + band).min(n)).collect();
-                let parts = on_team(&bands, |cols| product(x, m, k, weight, 0..k, cols));
+                let parts = crate::team::map(bands.len(), |b| {
+                    product(x, m, k, weight, 0..k, bands[b].clone())
+                });
                 let mut y = vec![0.0f32; m * n];
                 for (cols, part) in bands.into_iter().zip(parts) {
                     for (r, part) in part.chunks_exact(cols.len()).enumerate() {
@@ -323,22 +326,6 @@ pub(crate) mod flex {
                 y
             }
         }
-    }
-
-    /// `band(b)` for every band, in order, computed on the [`crate::team`].
-    fn on_team(
-        bands: &[Range<usize>],
-        band: impl Fn(Range<usize>) -> Vec<f32> + Sync,
-    ) -> Vec<Vec<f32>> {
-        let slots: Vec<OnceLock<Vec<f32>>> = bands.iter().map(|_| OnceLock::new()).collect();
-        crate::team::run(bands.len(), &|b| {
-            // Each part runs once (team::run), so its slot is empty.
-            let _ = slots[b].set(band(bands[b].clone()));
-        });
-        slots
-            .into_iter()
-            .map(|slot| slot.into_inner().expect("team::run runs every part"))
-            .collect()
     }
 
     /// `x[:, rows]·W[rows, cols]`, `[m, cols.len()]` row-major, compiled for the widest vectors

@@ -55,6 +55,20 @@ pub fn run(parts: usize, job: &(dyn Fn(usize) + Sync)) {
     }
 }
 
+/// `job(p)` for every `p` in `0..parts`, in order, each computed once on the team's threads
+/// and the caller's ([`run`]).
+pub fn map<T: Send + Sync>(parts: usize, job: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let slots: Vec<OnceLock<T>> = (0..parts).map(|_| OnceLock::new()).collect();
+    run(parts, &|p| {
+        // Each part runs once, so its slot is empty.
+        let _ = slots[p].set(job(p));
+    });
+    slots
+        .into_iter()
+        .map(|slot| slot.into_inner().expect("team::run runs every part"))
+        .collect()
+}
+
 /// Parts a job may have (16 bits of the state word).
 const MAX_PARTS: usize = 0xffff;
 

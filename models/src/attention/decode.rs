@@ -113,7 +113,6 @@ mod flex {
     use burn::backend::tensor::{BoolTensor, FloatTensor};
     use burn::backend::{Flex, TensorMetadata};
     use burn::tensor::{DType, Element, TensorData, bf16};
-    use std::sync::{Mutex, OnceLock};
 
     /// A 4-d tensor's elements (f32 or bf16) by index (`None` unless of `E`'s dtype with a
     /// contiguous last dimension).
@@ -213,11 +212,8 @@ mod flex {
             false => 1,
         };
         // One task per (sequence, kv head, position, chunk of keys): its n_rep query heads read
-        // each of its keys and values once, into the task's own rows and spreads.
+        // each of its keys and values once, into the task's own n_rep rows and spreads.
         let tasks = groups * chunks;
-        let mut parts = vec![0.0f32; tasks * n_rep * d_v];
-        let slots: Vec<Mutex<&mut [f32]>> = parts.chunks_mut(n_rep * d_v).map(Mutex::new).collect();
-        let spreads: Vec<OnceLock<Vec<Spread>>> = (0..tasks).map(|_| OnceLock::new()).collect();
         let task = |task: usize| {
             let (group, c) = (task / chunks, task % chunks);
             let (bi, g, i) = (group / (h_kv * s), group / s % h_kv, group % s);
@@ -234,28 +230,23 @@ mod flex {
                 scale,
                 element: std::marker::PhantomData,
             };
-            let mut slot = slots[task].lock().unwrap_or_else(|p| p.into_inner());
-            let mut outs: Vec<&mut [f32]> = slot.chunks_mut(d_v).collect();
-            // Each task runs once (team::run), so its spread is empty.
-            let _ = spreads[task].set(head.attend(&mut outs));
+            let mut rows = vec![0.0f32; n_rep * d_v];
+            let mut outs: Vec<&mut [f32]> = rows.chunks_mut(d_v).collect();
+            let spreads = head.attend(&mut outs);
+            (rows, spreads)
         };
-        match parallel {
-            true => crate::team::run(tasks, &task),
-            false => (0..tasks).for_each(task),
-        }
-        drop(slots);
-        let spreads: Vec<Vec<Spread>> = spreads
-            .into_iter()
-            .map(|s| s.into_inner().expect("every task runs"))
-            .collect();
+        let parts: Vec<(Vec<f32>, Vec<Spread>)> = match parallel {
+            true => crate::team::map(tasks, task),
+            false => (0..tasks).map(task).collect(),
+        };
         let mut out = vec![0.0f32; b * h * s * d_v];
         for group in 0..groups {
             let (bi, g, i) = (group / (h_kv * s), group / s % h_kv, group % s);
             for r in 0..n_rep {
                 let row = &mut out[((bi * h + g * n_rep + r) * s + i) * d_v..][..d_v];
-                let part = |c: usize| &parts[((group * chunks + c) * n_rep + r) * d_v..][..d_v];
-                let spread = |c: usize| spreads[group * chunks + c][r];
-                combine(row, (0..chunks).map(|c| (spread(c), part(c))));
+                let chunk = |c: usize| &parts[group * chunks + c];
+                let part = |c: usize| (chunk(c).1[r], &chunk(c).0[r * d_v..][..d_v]);
+                combine(row, (0..chunks).map(part));
             }
         }
         Some(Flex::float_from_data(
