@@ -831,33 +831,6 @@ pub(crate) mod flex {
         y
     }
 
-    /// [`dot`] in registers of `V`'s lanes, for callers compiled with `V`'s instructions: fused
-    /// multiply-adds `V::LANES` lanes wide, summed, then the tail. (The portable loop, compiled
-    /// into such a caller, multiplies and adds apart and, with AVX-512, only two to four lanes
-    /// wide; passed to it as a function, it is compiled on its own for baseline x86-64.)
-    ///
-    /// # Safety
-    /// The CPU has `V`'s instructions.
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    pub(crate) unsafe fn dot_lanes<E: Widen, V: simd::Lanes>(a: &[f32], b: &[E]) -> f32 {
-        let len = a.len().min(b.len());
-        let full = len - len % V::LANES;
-        // SAFETY: V's instructions (the caller's contract); i + LANES ≤ full ≤ the length of a
-        // and b.
-        unsafe {
-            let mut acc = V::splat(0.0);
-            for i in (0..full).step_by(V::LANES) {
-                acc = V::mul_add(V::load(a.as_ptr().add(i)), V::widen(b.as_ptr().add(i)), acc);
-            }
-            let mut sum = acc.sum();
-            for i in full..len {
-                sum += a[i] * b[i].widen();
-            }
-            sum
-        }
-    }
-
     /// ⟨a, b⟩ over sixteen partial sums (vectorised by the compiler) added pairwise, then the
     /// tail. Plain loops: an iterator's `sum` or `collect` may be compiled out of line, without
     /// the caller's vector instructions.

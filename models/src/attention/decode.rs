@@ -12,11 +12,13 @@
 //! a decoding step's attention in matmul calls of three rows and in mask, softmax and layout
 //! passes, all on one thread; here each (sequence, kv head, position) is one task, on the threads
 //! of [`crate::team`] from a quarter million multiply-adds (on the calling thread below), that
-//! reads its kv head's keys once for all its query heads and its values once per query head (64
-//! columns at a time, summed in registers). Where those tasks would not divide evenly among the
-//! threads (three kv heads of one sequence on two), each kv head's keys are cut into as many
-//! chunks as there are threads, but no more than hold 256 keys each (`CHUNK_KEYS`), each chunk's
-//! softmax normalised by its own largest logit and sum, then combined, flash-decoding's split:
+//! reads its kv head's keys and values once for all its query heads, each key and value widened
+//! once in registers for up to three query heads at a time (a 135M Llama's n_rep: four keys ×
+//! three queries, or 32 columns × three queries, in twelve accumulators of AVX2's sixteen
+//! registers). Where those tasks would not divide evenly among the threads (three kv heads of
+//! one sequence on two), each kv head's keys are cut into as many chunks as there are threads,
+//! but no more than hold 256 keys each (`CHUNK_KEYS`), each chunk's softmax normalised by its
+//! own largest logit and sum, then combined, flash-decoding's split:
 //!
 //! ```text
 //! o = Σ_c w_c·o_c,   w_c = e^(m_c − M)·s_c / Σ_c' e^(m_c' − M)·s_c',   M = max_c m_c
@@ -105,14 +107,13 @@ default_ops!(DecodeAttentionOps);
 mod flex {
     use crate::exp::exp_shifted;
     #[cfg(target_arch = "x86_64")]
-    use crate::rows::flex::dot_lanes;
-    #[cfg(target_arch = "x86_64")]
     use crate::rows::flex::simd::{Avx2, Avx512, Lanes};
     use crate::rows::flex::{Widen, dot};
     use burn::backend::ops::FloatTensorOps;
     use burn::backend::tensor::{BoolTensor, FloatTensor};
     use burn::backend::{Flex, TensorMetadata};
     use burn::tensor::{DType, Element, TensorData, bf16};
+    use std::ops::Range;
 
     /// A 4-d tensor's elements (f32 or bf16) by index (`None` unless of `E`'s dtype with a
     /// contiguous last dimension).
@@ -369,8 +370,8 @@ mod flex {
         V: Fn(usize) -> &'a [E],
         M: Fn(usize) -> bool,
     {
-        /// Adds each query's attention output to its row of `outs` (zeros), compiled for the
-        /// widest vectors the CPU has; each query's spread over the keys.
+        /// Writes each query's attention output to its row of `outs`, compiled for the widest
+        /// vectors the CPU has; each query's spread over the keys.
         fn attend(&self, outs: &mut [&mut [f32]]) -> Vec<Spread> {
             #[cfg(target_arch = "x86_64")]
             {
@@ -389,141 +390,299 @@ mod flex {
         }
 
         fn attend_portable(&self, outs: &mut [&mut [f32]]) -> Vec<Spread> {
-            self.attend_with(outs, dot, |p, c| self.weigh_portable(p, c))
+            self.attend_with(
+                outs,
+                |p, rows| self.logits_portable(p, rows),
+                |p, rows, outs| self.weigh_portable(p, rows, outs),
+            )
         }
 
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx512f")]
         fn attend_avx512(&self, outs: &mut [&mut [f32]]) -> Vec<Spread> {
-            // SAFETY: this function runs with AVX-512F.
+            // SAFETY (every call below): this function runs with AVX-512F. Four registers of
+            // sixteen columns for every block of queries (up to 12 accumulators of 32).
             self.attend_with(
                 outs,
-                |a, b| unsafe { dot_lanes::<E, Avx512>(a, b) },
-                |p, c| unsafe { self.weigh_lanes::<Avx512, 4>(p, c) },
+                |p, rows| unsafe { self.logits_lanes::<Avx512>(p, rows) },
+                |p, rows, outs| unsafe {
+                    match rows.len() {
+                        1 => self.weigh_lanes::<Avx512, 1, 4>(p, rows, outs),
+                        2 => self.weigh_lanes::<Avx512, 2, 4>(p, rows, outs),
+                        _ => self.weigh_lanes::<Avx512, 3, 4>(p, rows, outs),
+                    }
+                },
             )
         }
 
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx2,fma")]
         fn attend_avx2(&self, outs: &mut [&mut [f32]]) -> Vec<Spread> {
-            // SAFETY: this function runs with AVX2 and FMA.
+            // SAFETY (every call below): this function runs with AVX2 and FMA. Eight registers of
+            // eight columns for one query, four for two or three (12 accumulators of 16).
             self.attend_with(
                 outs,
-                |a, b| unsafe { dot_lanes::<E, Avx2>(a, b) },
-                |p, c| unsafe { self.weigh_lanes::<Avx2, 8>(p, c) },
+                |p, rows| unsafe { self.logits_lanes::<Avx2>(p, rows) },
+                |p, rows, outs| unsafe {
+                    match rows.len() {
+                        1 => self.weigh_lanes::<Avx2, 1, 8>(p, rows, outs),
+                        2 => self.weigh_lanes::<Avx2, 2, 4>(p, rows, outs),
+                        _ => self.weigh_lanes::<Avx2, 3, 4>(p, rows, outs),
+                    }
+                },
             )
         }
 
-        /// The attention with `dot` for ⟨query, key⟩ and `weigh(p, c)` for `Σ_j p_j·v_j` over
-        /// the values' c-th block of [`COLUMNS`] columns.
+        /// The attention, for blocks of up to [`QUERIES`] queries at a time: `logits(p, rows)`
+        /// writes `p[r·keys + j] = ⟨q_r, k_j⟩` for the block's queries r and every key j, and
+        /// `weigh(p, rows, outs)` writes `Σ_j p[r·keys + j]·v_j` into the block's rows of `outs`.
         #[inline(always)]
         fn attend_with(
             &self,
             outs: &mut [&mut [f32]],
-            dot: impl Fn(&[f32], &[E]) -> f32,
-            weigh: impl Fn(&[f32], usize) -> [f32; COLUMNS],
+            logits: impl Fn(&mut [f32], Range<usize>),
+            weigh: impl Fn(&[f32], Range<usize>, &mut [&mut [f32]]),
         ) -> Vec<Spread> {
             // Plain loops: an iterator's `collect` or `fold` may be compiled out of line, without
             // this function's vector instructions. Logits `[query, key]`.
             let (n, keys) = (self.queries.len(), self.keys);
+            let blocks = (0..n).step_by(QUERIES).map(|r| r..(r + QUERIES).min(n));
             let mut p = vec![0.0f32; n * keys];
-            let mut max = vec![f32::NEG_INFINITY; n];
+            for rows in blocks.clone() {
+                logits(&mut p, rows);
+            }
             let mut seen = false;
             for j in 0..keys {
-                let (masked, key) = ((self.masked)(j), (self.key)(j));
+                let masked = (self.masked)(j);
                 seen |= !masked;
-                for (r, query) in self.queries.iter().enumerate() {
-                    let l = match masked {
+                for r in 0..n {
+                    let l = &mut p[r * keys + j];
+                    *l = match masked {
                         true => f32::NEG_INFINITY,
-                        false => dot(query, key) * self.scale,
+                        false => *l * self.scale,
                     };
-                    p[r * keys + j] = l;
-                    max[r] = max[r].max(l);
                 }
             }
-            let sum: Vec<f32> = p
-                .chunks_exact_mut(keys)
-                .zip(&max)
-                .map(|(p, &max)| exp_shifted(p, max))
-                .collect();
-            // Σ_j p_j·v_j per query, 64 columns at a time summed in registers over every key
-            // (an output row updated in memory per key waits on its own last store), then / sum.
-            for ((o, p), sum) in outs.iter_mut().zip(p.chunks_exact(keys)).zip(&sum) {
-                let start = o.len() - o.len() % COLUMNS;
-                let mut columns = o.chunks_exact_mut(COLUMNS);
-                for (c, o) in (&mut columns).enumerate() {
-                    for (o, acc) in o.iter_mut().zip(weigh(p, c)) {
-                        *o += acc / sum;
-                    }
+            let mut spreads = Vec::with_capacity(n);
+            for p in p.chunks_exact_mut(keys) {
+                let mut max = f32::NEG_INFINITY;
+                for &l in p.iter() {
+                    max = max.max(l);
                 }
-                let tail = columns.into_remainder();
-                for (j, &w) in p.iter().enumerate() {
-                    for (o, v) in tail.iter_mut().zip(&(self.value)(j)[start..]) {
-                        *o += w / sum * v.widen();
-                    }
+                let sum = exp_shifted(p, max);
+                spreads.push(Spread { max, sum, seen });
+            }
+            for rows in blocks {
+                weigh(&p, rows.clone(), &mut outs[rows]);
+            }
+            for (o, spread) in outs.iter_mut().zip(&spreads) {
+                for o in o.iter_mut() {
+                    *o /= spread.sum;
                 }
             }
-            max.into_iter()
-                .zip(sum)
-                .map(|(max, sum)| Spread { max, sum, seen })
-                .collect()
+            spreads
         }
 
-        /// Key j's values in the c-th block of [`COLUMNS`] columns.
+        /// `p[r·keys + j] = ⟨q_r, k_j⟩` for the queries `rows`, one dot product at a time, in
+        /// loops the compiler vectorises.
         #[inline(always)]
-        fn values(&self, j: usize, c: usize) -> &'a [E; COLUMNS] {
-            (self.value)(j)[c * COLUMNS..][..COLUMNS]
-                .try_into()
-                .expect("COLUMNS elements")
-        }
-
-        /// `Σ_j p_j·v_j` over the values' c-th block of [`COLUMNS`] columns, in a loop the
-        /// compiler vectorises.
-        #[inline(always)]
-        fn weigh_portable(&self, p: &[f32], c: usize) -> [f32; COLUMNS] {
-            let mut acc = [0.0f32; COLUMNS];
-            for (j, &w) in p.iter().enumerate() {
-                let v = self.values(j, c);
-                for i in 0..COLUMNS {
-                    acc[i] += w * v[i].widen();
+        fn logits_portable(&self, p: &mut [f32], rows: Range<usize>) {
+            for j in 0..self.keys {
+                let key = (self.key)(j);
+                for r in rows.clone() {
+                    p[r * self.keys + j] = dot(self.queries[r], key);
                 }
             }
-            acc
         }
 
-        /// [`Self::weigh_portable`] in `R` registers of `L`'s lanes (`R·L::LANES` =
-        /// [`COLUMNS`]), one fused multiply-add per register and key.
+        /// [`Self::logits_portable`] in `L`'s registers: each key widened once for every query
+        /// of the block, four keys at a time (eight for a lone query) in as many accumulators
+        /// as keys × queries (the dot products' chains of fused multiply-adds interleaved),
+        /// then one key at a time.
         ///
         /// # Safety
         /// The CPU has `L`'s instructions.
         #[cfg(target_arch = "x86_64")]
         #[inline(always)]
-        unsafe fn weigh_lanes<L: Lanes, const R: usize>(
-            &self,
-            p: &[f32],
-            c: usize,
-        ) -> [f32; COLUMNS] {
-            const { assert!(R * L::LANES == COLUMNS) };
-            // SAFETY: L's instructions (the caller's contract); register r reads and writes lanes
-            // r·LANES.. of COLUMNS = R·LANES elements.
+        unsafe fn logits_lanes<L: Lanes>(&self, p: &mut [f32], rows: Range<usize>) {
+            // SAFETY: L's instructions (the caller's contract).
             unsafe {
-                let mut acc = [L::splat(0.0); R];
-                for (j, &w) in p.iter().enumerate() {
-                    let (w, v) = (L::splat(w), self.values(j, c).as_ptr());
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        *acc = L::mul_add(w, L::widen(v.add(r * L::LANES)), *acc);
+                match rows.len() {
+                    1 => self.logits_of::<L, 1, 8>(p, rows.start),
+                    2 => self.logits_of::<L, 2, 4>(p, rows.start),
+                    _ => self.logits_of::<L, 3, 4>(p, rows.start),
+                }
+            }
+        }
+
+        /// The logits of the `Q` queries from `r`, `N` keys at a time, then one at a time.
+        ///
+        /// # Safety
+        /// The CPU has `L`'s instructions.
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        unsafe fn logits_of<L: Lanes, const Q: usize, const N: usize>(
+            &self,
+            p: &mut [f32],
+            r: usize,
+        ) {
+            let queries: [&[f32]; Q] = std::array::from_fn(|q| self.queries[r + q]);
+            let mut j = 0;
+            // SAFETY: L's instructions (the caller's contract).
+            unsafe {
+                while j + N <= self.keys {
+                    self.dots::<L, Q, N>(p, r, &queries, j);
+                    j += N;
+                }
+                while j < self.keys {
+                    self.dots::<L, Q, 1>(p, r, &queries, j);
+                    j += 1;
+                }
+            }
+        }
+
+        /// `p[(r + q)·keys + j + k] = ⟨queries[q], k_{j+k}⟩` for `Q` queries and `N` keys.
+        ///
+        /// # Safety
+        /// The CPU has `L`'s instructions.
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        unsafe fn dots<L: Lanes, const Q: usize, const N: usize>(
+            &self,
+            p: &mut [f32],
+            r: usize,
+            queries: &[&[f32]; Q],
+            j: usize,
+        ) {
+            let keys: [&[E]; N] = std::array::from_fn(|k| (self.key)(j + k));
+            let lengths = queries.iter().map(|q| q.len());
+            let d = lengths
+                .chain(keys.iter().map(|k| k.len()))
+                .min()
+                .unwrap_or(0);
+            let full = d - d % L::LANES;
+            // SAFETY: L's instructions (the caller's contract); i + LANES ≤ full ≤ the length of
+            // every query and key.
+            unsafe {
+                let mut acc = [[L::splat(0.0); N]; Q];
+                for i in (0..full).step_by(L::LANES) {
+                    let x: [L; Q] = std::array::from_fn(|q| L::load(queries[q].as_ptr().add(i)));
+                    for k in 0..N {
+                        let y = L::widen(keys[k].as_ptr().add(i));
+                        for q in 0..Q {
+                            acc[q][k] = L::mul_add(x[q], y, acc[q][k]);
+                        }
                     }
                 }
-                let mut out = [0.0f32; COLUMNS];
-                for (r, acc) in acc.into_iter().enumerate() {
-                    acc.store(out.as_mut_ptr().add(r * L::LANES));
+                for q in 0..Q {
+                    for k in 0..N {
+                        let mut dot = acc[q][k].sum();
+                        for i in full..d {
+                            dot += queries[q][i] * keys[k][i].widen();
+                        }
+                        p[(r + q) * self.keys + j + k] = dot;
+                    }
                 }
-                out
+            }
+        }
+
+        /// `outs[q] = Σ_j p[(rows.start + q)·keys + j]·v_j` for the queries `rows`, one query
+        /// at a time, [`COLUMNS`] columns at a time summed in registers over every key (an
+        /// output row updated in memory per key waits on its own last store), in a loop the
+        /// compiler vectorises.
+        #[inline(always)]
+        fn weigh_portable(&self, p: &[f32], rows: Range<usize>, outs: &mut [&mut [f32]]) {
+            let keys = self.keys;
+            for (r, o) in rows.zip(outs.iter_mut()) {
+                let w = &p[r * keys..][..keys];
+                let blocks = o.len() / COLUMNS;
+                for c in 0..blocks {
+                    let mut acc = [0.0f32; COLUMNS];
+                    for (j, &w) in w.iter().enumerate() {
+                        let v = &(self.value)(j)[c * COLUMNS..][..COLUMNS];
+                        for i in 0..COLUMNS {
+                            acc[i] += w * v[i].widen();
+                        }
+                    }
+                    o[c * COLUMNS..][..COLUMNS].copy_from_slice(&acc);
+                }
+                self.weigh_tail(w, o, blocks * COLUMNS);
+            }
+        }
+
+        /// [`Self::weigh_portable`] for `Q` queries at once in `Q × R` registers of `L`'s
+        /// lanes: each value widened once for every query of the block, `R·LANES` columns at
+        /// a time.
+        ///
+        /// # Safety
+        /// The CPU has `L`'s instructions.
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        // Indexed loops over the registers: written with `zip` and `map` over the arrays, the
+        // same loops made the whole attention 2.8× slower (the accumulators no longer held in
+        // registers).
+        #[allow(clippy::needless_range_loop)]
+        unsafe fn weigh_lanes<L: Lanes, const Q: usize, const R: usize>(
+            &self,
+            p: &[f32],
+            rows: Range<usize>,
+            outs: &mut [&mut [f32]],
+        ) {
+            let keys = self.keys;
+            let w: [&[f32]; Q] = std::array::from_fn(|q| &p[(rows.start + q) * keys..][..keys]);
+            let width = R * L::LANES;
+            let d_v = outs.iter().map(|o| o.len()).min().unwrap_or(0);
+            let blocks = d_v / width;
+            // SAFETY: L's instructions (the caller's contract); register i of block c reads
+            // values and writes outputs c·width + i·LANES.. of at most blocks·width ≤ d_v.
+            unsafe {
+                for c in 0..blocks {
+                    let mut acc = [[L::splat(0.0); R]; Q];
+                    for j in 0..keys {
+                        let v = (self.value)(j)[c * width..][..width].as_ptr();
+                        let s: [L; Q] = std::array::from_fn(|q| L::splat(w[q][j]));
+                        for i in 0..R {
+                            let x = L::widen(v.add(i * L::LANES));
+                            for q in 0..Q {
+                                acc[q][i] = L::mul_add(s[q], x, acc[q][i]);
+                            }
+                        }
+                    }
+                    for (q, acc) in acc.iter().enumerate() {
+                        let o = outs[q][c * width..][..width].as_mut_ptr();
+                        for (i, acc) in acc.iter().enumerate() {
+                            acc.store(o.add(i * L::LANES));
+                        }
+                    }
+                }
+            }
+            for (o, w) in outs.iter_mut().zip(w) {
+                self.weigh_tail(w, o, blocks * width);
+            }
+        }
+
+        /// `o[from..] = Σ_j w_j·v_j[from..]`: the columns past a weighing's last block, key by
+        /// key (none where the values' width is a multiple of the blocks').
+        #[inline(always)]
+        fn weigh_tail(&self, w: &[f32], o: &mut [f32], from: usize) {
+            if from >= o.len() {
+                return;
+            }
+            let o = &mut o[from..];
+            o.fill(0.0);
+            for (j, &w) in w.iter().enumerate() {
+                for (o, v) in o.iter_mut().zip(&(self.value)(j)[from..]) {
+                    *o += w * v.widen();
+                }
             }
         }
     }
 
-    /// Output columns summed in registers at a time (four AVX-512 or eight AVX2 registers).
+    /// Queries weighed together in registers at a time (a block; under GQA the query heads of
+    /// one kv head): three, a 135M Llama's n_rep.
+    const QUERIES: usize = 3;
+
+    /// Output columns summed in registers at a time for one query without AVX2 or AVX-512.
     const COLUMNS: usize = 64;
 
     /// Every implementation this CPU runs against the attention in f64 (the public dispatch
@@ -534,11 +693,12 @@ mod flex {
         use super::*;
 
         /// `to` makes an element from an f32, `back` reads it as the f32 it stands for.
-        /// Every implementation agrees with the attention in f64, keys and values in f32 and
-        /// bf16, with masked keys, a query head group, widths with tails past the last register
-        /// and values wider than [`COLUMNS`].
-        fn agree<E: Widen>(to: fn(f32) -> E, back: fn(E) -> f32) {
-            let (n, keys, d, d_v) = (3, 70, 27, 2 * COLUMNS + 13);
+        /// Every implementation agrees with the attention in f64 for `n` query heads of one kv
+        /// head, keys and values in f32 and bf16, with masked keys, a number of keys that the
+        /// blocks of keys do not divide, widths with tails past the last register and values
+        /// wider than [`COLUMNS`].
+        fn agree<E: Widen>(n: usize, to: fn(f32) -> E, back: fn(E) -> f32) {
+            let (keys, d, d_v) = (70, 27, 2 * COLUMNS + 13);
             let mut state = 11u32;
             let mut value = || {
                 state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
@@ -609,7 +769,7 @@ mod flex {
                     for (c, (g, w)) in got.iter().zip(want).enumerate() {
                         assert!(
                             (f64::from(*g) - w).abs() < 1e-5,
-                            "{name}: query {r}, column {c}: {g} against {w}"
+                            "{name}, {n} queries: query {r}, column {c}: {g} against {w}"
                         );
                     }
                 }
@@ -618,8 +778,11 @@ mod flex {
 
         #[test]
         fn every_implementation_agrees_with_the_attention_in_f64() {
-            agree::<f32>(|v| v, |v| v);
-            agree::<bf16>(bf16::from_f32, bf16::to_f32);
+            // One, two and three queries in a block; five: a block of three, then of two.
+            for n in [1, 2, 3, 5] {
+                agree::<f32>(n, |v| v, |v| v);
+                agree::<bf16>(n, bf16::from_f32, bf16::to_f32);
+            }
         }
 
         /// Keys cut into two chunks combine into the attention over all of them, in f64: one
