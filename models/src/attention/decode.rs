@@ -788,10 +788,10 @@ mod flex {
 
         #[test]
         fn every_implementation_agrees_with_the_attention_in_f64() {
-            // One, two and three queries in a block; five: a block of three, then of two. Widths
-            // with tails past the registers, a 135M Llama's (no tails), narrower than a register
-            // and than a block of columns.
-            for n in [1, 2, 3, 5] {
+            // One, two and three queries in a block; four and five: a block of three, then of one
+            // or two. Widths with tails past the registers, a 135M Llama's (no tails), narrower
+            // than a register and than a block of columns.
+            for n in [1, 2, 3, 4, 5] {
                 for widths in [(27, 2 * COLUMNS + 13), (64, 64), (5, 13)] {
                     agree::<f32>(n, widths, |v| v, |v| v);
                     agree::<bf16>(n, widths, bf16::from_f32, bf16::to_f32);
