@@ -105,7 +105,7 @@ default_ops!(DecodeAttentionOps);
 
 #[cfg(feature = "flex")]
 mod flex {
-    use crate::exp::exp_shifted;
+    use crate::exp::{exp_shifted, max_of};
     #[cfg(target_arch = "x86_64")]
     use crate::rows::flex::simd::{Avx2, Avx512, Lanes};
     use crate::rows::flex::{Widen, dot};
@@ -466,10 +466,7 @@ mod flex {
             }
             let mut spreads = Vec::with_capacity(n);
             for p in p.chunks_exact_mut(keys) {
-                let mut max = f32::NEG_INFINITY;
-                for &l in p.iter() {
-                    max = max.max(l);
-                }
+                let max = max_of(p);
                 let sum = exp_shifted(p, max);
                 spreads.push(Spread { max, sum, seen });
             }
