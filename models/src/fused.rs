@@ -65,14 +65,30 @@ pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
 /// `norm.forward(x)` for `x` `[.., d_model]`, in one pass where Flex takes it.
 pub fn rms_norm<const D: usize>(norm: &RmsNorm, x: Tensor<D>) -> Tensor<D> {
     profile::time(Class::Norm, || {
-        <burn::backend::Dispatch as FusedOps>::rms_norm(
-            x.clone().into_dispatch(),
-            norm.gamma.val().into_dispatch(),
-            norm.epsilon,
-        )
-        .map(Tensor::from_dispatch)
-        .unwrap_or_else(|| norm.forward(x))
+        fused_rms_norm(x.clone(), norm.gamma.val(), norm.epsilon).unwrap_or_else(|| norm.forward(x))
     })
+}
+
+/// `scale·norm.forward(x)`: where Flex takes the norm in one pass, `scale` joins its gain γ (a
+/// product over the last axis only) instead of a second pass over `x`.
+pub fn rms_norm_scaled<const D: usize>(norm: &RmsNorm, x: Tensor<D>, scale: f64) -> Tensor<D> {
+    profile::time(Class::Norm, || {
+        fused_rms_norm(x.clone(), norm.gamma.val().mul_scalar(scale), norm.epsilon)
+            .unwrap_or_else(|| norm.forward(x).mul_scalar(scale))
+    })
+}
+
+fn fused_rms_norm<const D: usize>(
+    x: Tensor<D>,
+    gamma: Tensor<1>,
+    epsilon: f64,
+) -> Option<Tensor<D>> {
+    <burn::backend::Dispatch as FusedOps>::rms_norm(
+        x.into_dispatch(),
+        gamma.into_dispatch(),
+        epsilon,
+    )
+    .map(Tensor::from_dispatch)
 }
 
 /// `[B, S, heads·d]` at positions `start..start + S` → RoPE-rotated heads `[B, heads, S, d]`

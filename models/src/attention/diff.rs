@@ -31,7 +31,7 @@ use super::{
 };
 use crate::cache::LayerCache;
 use crate::config::{AttentionImpl, ModelConfig, lambda_init};
-use crate::fused::{self, rms_norm};
+use crate::fused::{self, rms_norm_scaled};
 use crate::profile::{self, Class};
 use crate::rows;
 use burn::module::{Module, Param};
@@ -140,7 +140,7 @@ impl DiffAttention {
 
     /// `(1 − λ_init)·subln(heads)`, merged and projected.
     fn output(&self, heads: Tensor<4>) -> Tensor<3> {
-        let heads = rms_norm(&self.subln, heads).mul_scalar(1.0 - self.lambda_init);
+        let heads = rms_norm_scaled(&self.subln, heads, 1.0 - self.lambda_init);
         rows::linear(&self.o_proj, merge_heads(heads))
     }
 
