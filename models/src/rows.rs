@@ -439,7 +439,7 @@ pub(crate) mod flex {
         let width = cols.len();
         let mut y = vec![0.0f32; m * width];
         let w = |i: usize| &data[i * row + cols.start..][..width];
-        if streamed::<E, V>(m, width) {
+        if streamed::<E>(m, width) {
             for i in rows {
                 // SAFETY: the caller's contract; `w(i)` is `width` = y.len() long.
                 unsafe { row_stream::<E, V>(x[i], &mut y, w(i)) };
@@ -462,12 +462,25 @@ pub(crate) mod flex {
 
     /// Whether a product of `m` rows of x reads W one row (or column) of `len` elements at a time,
     /// in memory order ([`row_stream`], [`column_stream`]), rather than four at once: for a single
-    /// row of x where W's rows are at most [`simd::Lanes::STREAM`] bytes.
+    /// row of x where W's rows are at most [`STREAM`] bytes.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    fn streamed<E, V: simd::Lanes>(m: usize, len: usize) -> bool {
-        m == 1 && len * size_of::<E>() <= V::STREAM
+    fn streamed<E>(m: usize, len: usize) -> bool {
+        m == 1 && len * size_of::<E>() <= STREAM
     }
+
+    /// The longest row (or column) of W, in bytes, that a product of one row of x reads alone
+    /// and in memory order ([`streamed`]): a 576-wide f32 row; the 1,536-wide rows of a 135M
+    /// model's feed-forward products are longer. Measured at a 135M model's shapes on an AVX2
+    /// AMD EPYC, four rows at once streamed rows of 1,152 bytes (bf16, 576 wide) at 18–22 GB/s
+    /// and one at a time, in memory order, at 25–29 (likely: four interleaved streams of 18
+    /// cache lines each end before the hardware prefetcher has caught on); on an AVX-512 AMD
+    /// EPYC the products of a decoding step took 13–15% less time streamed so (f32 and bf16),
+    /// and streaming every row (up to 8 KB) was slower. Rows of 6 KB (f32, 1,536 wide) read
+    /// faster four at once, and so does more than one row of x (each row of W then loads and
+    /// stores every output m times). Not measured on an Intel CPU.
+    #[cfg(target_arch = "x86_64")]
+    const STREAM: usize = 2304;
 
     /// How far ahead of its reads [`row_stream`] and [`column_stream`] ask for W, in bytes
     /// (measured on an AVX2 AMD EPYC at a 135M model's shapes: 1,024, 1,536 and 2,048 within a
@@ -605,7 +618,7 @@ pub(crate) mod flex {
         let full = len - len % V::LANES;
         let mut y = vec![0.0f32; m * width];
         let w = |j: usize| &data[j * column + rows.start..][..len];
-        if streamed::<E, V>(m, len) {
+        if streamed::<E>(m, len) {
             let xs = &x[rows.start..][..len];
             for (c, y) in y.iter_mut().enumerate() {
                 // SAFETY: the caller's contract; `w` is `len` = xs.len() long.
@@ -668,14 +681,6 @@ pub(crate) mod flex {
         /// `LANES` elements.
         pub(crate) trait Lanes: Copy {
             const LANES: usize;
-            /// The longest row (or column) of W, in bytes, that a product of one row of x reads
-            /// alone and in memory order ([`super::streamed`]). Measured on an AVX2 AMD EPYC at a
-            /// 135M model's shapes, four rows at once streamed rows of 1,152 bytes (bf16, 576
-            /// wide) at 18–22 GB/s and one at a time, in memory order, at 25–29 (likely: four
-            /// interleaved streams of 18 cache lines each end before the hardware prefetcher has
-            /// caught on). Rows of 6 KB (f32, 1,536 wide) read faster four at once, and so does
-            /// more than one row of x (each row of W then loads and stores every output m times).
-            const STREAM: usize;
             /// `x` in every lane.
             unsafe fn splat(x: f32) -> Self;
             /// The `LANES` f32 from `p`.
@@ -696,8 +701,6 @@ pub(crate) mod flex {
 
         impl Lanes for Avx512 {
             const LANES: usize = 16;
-            /// None: not measured with AVX-512 (its four-row passes were, on an Intel Xeon).
-            const STREAM: usize = 0;
             #[inline(always)]
             unsafe fn splat(x: f32) -> Self {
                 // SAFETY: the caller's contract.
@@ -736,9 +739,6 @@ pub(crate) mod flex {
 
         impl Lanes for Avx2 {
             const LANES: usize = 8;
-            /// A 576-wide f32 row; the 1,536-wide rows of a 135M model's feed-forward products
-            /// are longer.
-            const STREAM: usize = 2304;
             #[inline(always)]
             unsafe fn splat(x: f32) -> Self {
                 // SAFETY: the caller's contract.
