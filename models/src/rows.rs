@@ -20,7 +20,7 @@
 //!
 //! On a CPU with AVX-512 the bands are computed with its intrinsics (sixteen lanes per fused
 //! multiply-add), with AVX2 and FMA by the same passes eight lanes wide, the next group of W's
-//! rows or columns asked for before it is read; with AVX2, a single row of x (one sequence
+//! rows or columns asked for before it is read; with either, a single row of x (one sequence
 //! decoding) reads short rows or columns of W one at a time, in memory order, asking for W a
 //! fixed distance ahead (`flex::streamed`); elsewhere by loops the compiler vectorises.
 //! Sums are in f32 in another order than gemm's: results agree with the plain product to f32
@@ -377,7 +377,7 @@ pub(crate) mod flex {
     /// [`product_avx512`]'s passes eight lanes wide, for CPUs with AVX2 and FMA but no AVX-512:
     /// the compiler's own AVX2 code of the portable loops multiplies and adds apart (measured on
     /// an AVX2 AMD EPYC: bf16 weights decoded only 1.25–1.51× as fast as f32 ones). With one row
-    /// of x, short rows or columns of W are read one at a time ([`streamed`]).
+    /// of x, short rows or columns of W are read one at a time ([`streamed`]), as with AVX-512.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     fn product_avx2<E: Widen>(
@@ -475,7 +475,7 @@ pub(crate) mod flex {
     /// AMD EPYC, four rows at once streamed rows of 1,152 bytes (bf16, 576 wide) at 18–22 GB/s
     /// and one at a time, in memory order, at 25–29 (likely: four interleaved streams of 18
     /// cache lines each end before the hardware prefetcher has caught on); on an AVX-512 AMD
-    /// EPYC the products of a decoding step took 13–15% less time streamed so (f32 and bf16),
+    /// EPYC the products of a decoding step took 12–13% less time streamed so (f32 and bf16),
     /// and streaming every row (up to 8 KB) was slower. Rows of 6 KB (f32, 1,536 wide) read
     /// faster four at once, and so does more than one row of x (each row of W then loads and
     /// stores every output m times). Not measured on an Intel CPU.
@@ -889,8 +889,10 @@ pub(crate) mod flex {
 
         fn agree<E: Widen>(to: fn(f32) -> E) {
             // Rows and columns of W short enough to be streamed alone with one row of x
-            // (`streamed`), rows too long (1,201 wide), columns too long (1,200 deep).
-            for (k, n) in [(37, 45), (40, 1203), (1203, 40)] {
+            // (`streamed`): shorter than a pass of `column_stream`, and 297 deep (four passes of
+            // four registers of sixteen lanes, then a tail); rows too long (1,201 wide), columns too long (1,200
+            // deep).
+            for (k, n) in [(37, 45), (300, 45), (40, 1203), (1203, 40)] {
                 agree_at(to, k, n);
             }
         }

@@ -199,25 +199,31 @@ fn rms_norm_gradients_are_burns_under_autodiff() {
             norm.gamma = Param::from_tensor(random([shape[2]], &device) + 1.0);
             let x = (random(shape, &device) * scale).require_grad();
             let weights = random(shape, &device);
-            let ours = (fused::rms_norm(&norm, x.clone()) * weights.clone())
-                .sum()
-                .backward();
-            let theirs = (norm.forward(x.clone()) * weights).sum().backward();
-            let what = format!("{backend}: {shape:?}, ε {epsilon}");
-            assert_close(
-                &format!("{what}, ∂x"),
-                x.grad(&ours).unwrap(),
-                x.grad(&theirs).unwrap(),
-                1e-5,
-                1e-4,
-            );
-            assert_close(
-                &format!("{what}, ∂γ"),
-                norm.gamma.val().grad(&ours).unwrap(),
-                norm.gamma.val().grad(&theirs).unwrap(),
-                1e-4,
-                1e-4,
-            );
+            // Unscaled, and scaled as DIFF V1's `(1 − λ_init)·subln` is (the scale in γ).
+            for gain in [None, Some(0.35)] {
+                let ours = match gain {
+                    None => fused::rms_norm(&norm, x.clone()),
+                    Some(gain) => fused::rms_norm_scaled(&norm, x.clone(), gain),
+                };
+                let theirs = norm.forward(x.clone()).mul_scalar(gain.unwrap_or(1.0));
+                let ours = (ours * weights.clone()).sum().backward();
+                let theirs = (theirs * weights.clone()).sum().backward();
+                let what = format!("{backend}: {shape:?}, ε {epsilon}, scale {gain:?}");
+                assert_close(
+                    &format!("{what}, ∂x"),
+                    x.grad(&ours).unwrap(),
+                    x.grad(&theirs).unwrap(),
+                    1e-5,
+                    1e-4,
+                );
+                assert_close(
+                    &format!("{what}, ∂γ"),
+                    norm.gamma.val().grad(&ours).unwrap(),
+                    norm.gamma.val().grad(&theirs).unwrap(),
+                    1e-4,
+                    1e-4,
+                );
+            }
         }
         // γ frozen: only ∂x.
         let norm = RmsNormConfig::new(24).init(&device).no_grad();
