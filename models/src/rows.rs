@@ -890,8 +890,8 @@ pub(crate) mod flex {
         fn agree<E: Widen>(to: fn(f32) -> E) {
             // Rows and columns of W short enough to be streamed alone with one row of x
             // (`streamed`): shorter than a pass of `column_stream`, and 297 deep (four passes of
-            // four registers of sixteen lanes, then a tail); rows too long (1,201 wide), columns too long (1,200
-            // deep).
+            // four registers of sixteen lanes, then a tail); rows too long (1,201 wide), columns
+            // too long (1,200 deep).
             for (k, n) in [(37, 45), (300, 45), (40, 1203), (1203, 40)] {
                 agree_at(to, k, n);
             }

@@ -223,7 +223,8 @@ fn a_bf16_cache_decodes_the_whole_sequences_logits_within_bf16s_rounding() {
         if !device.supports_dtype(FloatDType::BF16) {
             continue;
         }
-        // Heads of 6, and of 120 (the decoding kernel's blocks of 32 or 64 columns in registers and a tail).
+        // Heads of 6, and of 120 (the decoding kernel's blocks of 32 or 64 columns in registers
+        // and a tail).
         let shapes = AttentionKind::ALL
             .into_iter()
             .flat_map(|attention| [(attention, 48, 8, 2), (attention, 240, 2, 2)]);

@@ -114,8 +114,8 @@ fn cached_decoding_gives_the_logits_of_the_whole_sequence() {
 }
 
 /// Heads of 120 (the decoding kernel sums values 32 or 64 columns at a time in registers, then a
-/// tail of 24 or 56): cached decoding of the baseline and DIFF V2, through the kernel on Flex, gives the
-/// whole sequence's logits.
+/// tail of 24 or 56): cached decoding of the baseline and DIFF V2, through the kernel on Flex,
+/// gives the whole sequence's logits.
 #[test]
 fn cached_decoding_with_heads_wider_than_the_kernels_columns() {
     let steps = [7, 1, 1, 3, 1, 1];
