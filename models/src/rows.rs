@@ -29,8 +29,12 @@
 //!
 //! The weight may be in another dtype than `x` (inference weights kept in bf16,
 //! [`crate::Model::with_weight_dtype`]): `y = x·f32(W)`. The kernel widens each bf16 weight as it
-//! reads it (a bf16 is an f32's upper half: exact), so it streams half the bytes; the plain
-//! product casts W to x's dtype first.
+//! reads it (a bf16 is an f32's upper half: exact), so it streams half the bytes, and reads a
+//! column streamed alone (a tied head's) 64 bytes at a time, registers of bf16 pairs split into
+//! even and odd elements (`flex::Widen::chunk16`), x permuted to match once per band. The plain
+//! product casts W to x's dtype first. The kernels' sums start at a 64-byte boundary: from wherever
+//! the allocator put them, a register's load and store of a row's sums could straddle two cache
+//! lines, and the same decoding step's products took 6–11% longer by the heap's layout alone.
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
 #![allow(deprecated)]
 
@@ -172,6 +176,30 @@ pub(crate) mod flex {
         /// Eight elements from `p` are readable, and the caller runs with AVX2.
         #[cfg(target_arch = "x86_64")]
         unsafe fn load8(p: *const Self) -> core::arch::x86_64::__m256;
+
+        /// The 32 elements from `p`, widened, in two AVX-512 registers in [`chunked`] order.
+        ///
+        /// # Safety
+        /// 32 elements from `p` are readable, and the caller runs with AVX-512F.
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn chunk16(
+            p: *const Self,
+        ) -> (core::arch::x86_64::__m512, core::arch::x86_64::__m512);
+
+        /// The sixteen elements from `p`, widened, in two AVX registers in [`chunked`] order.
+        ///
+        /// # Safety
+        /// Sixteen elements from `p` are readable, and the caller runs with AVX2.
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn chunk8(
+            p: *const Self,
+        ) -> (core::arch::x86_64::__m256, core::arch::x86_64::__m256);
+
+        /// Whether a chunk's registers hold its elements at even, then odd positions (bf16: each
+        /// pair of bf16 is one f32 lane, whose halves a shift and a mask widen), rather than its
+        /// first half, then its second (f32).
+        #[cfg(target_arch = "x86_64")]
+        const PAIRED: bool;
     }
 
     impl Widen for f32 {
@@ -193,6 +221,27 @@ pub(crate) mod flex {
             // SAFETY: the caller's contract.
             unsafe { core::arch::x86_64::_mm256_loadu_ps(p) }
         }
+
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        unsafe fn chunk16(
+            p: *const Self,
+        ) -> (core::arch::x86_64::__m512, core::arch::x86_64::__m512) {
+            // SAFETY: the caller's contract.
+            unsafe { (Self::load16(p), Self::load16(p.add(16))) }
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        unsafe fn chunk8(
+            p: *const Self,
+        ) -> (core::arch::x86_64::__m256, core::arch::x86_64::__m256) {
+            // SAFETY: the caller's contract.
+            unsafe { (Self::load8(p), Self::load8(p.add(8))) }
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        const PAIRED: bool = false;
     }
 
     impl Widen for bf16 {
@@ -223,6 +272,73 @@ pub(crate) mod flex {
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(halves))
             }
         }
+
+        /// One load of 64 bytes, 32 bf16 (a whole cache line where W's column starts on one, as
+        /// a tied head's `[vocab, 576]` rows do): lane i holds elements 2i (low half) and 2i + 1
+        /// (high half); shifted left, the low half is element 2i's f32, masked, the high half
+        /// element 2i + 1's. No widening load: on an AVX-512 AMD EPYC a 135M model's tied head
+        /// (`[49152, 576]` bf16, one row of x) streamed at 20.3 GB/s reading sixteen bf16 at a
+        /// time with `load16`, 23.6 so (medians of five interleaved runs); the feed-forward's
+        /// and attention's row-major products, tried so too (their outputs in that order until
+        /// the end), ran slower (`row_stream` 26 → 19 GB/s).
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        unsafe fn chunk16(
+            p: *const Self,
+        ) -> (core::arch::x86_64::__m512, core::arch::x86_64::__m512) {
+            use core::arch::x86_64::*;
+            // SAFETY: the caller's contract; 32 bf16 are 512 bits.
+            unsafe {
+                let pairs = _mm512_loadu_si512(p.cast());
+                let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+                (
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(pairs)),
+                    _mm512_castsi512_ps(_mm512_and_si512(pairs, high)),
+                )
+            }
+        }
+
+        /// [`Widen::chunk16`]'s split, sixteen bf16 in one AVX register.
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        unsafe fn chunk8(
+            p: *const Self,
+        ) -> (core::arch::x86_64::__m256, core::arch::x86_64::__m256) {
+            use core::arch::x86_64::*;
+            // SAFETY: the caller's contract; sixteen bf16 are 256 bits.
+            unsafe {
+                let pairs = _mm256_loadu_si256(p.cast());
+                let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+                (
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(pairs)),
+                    _mm256_castsi256_ps(_mm256_and_si256(pairs, high)),
+                )
+            }
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        const PAIRED: bool = true;
+    }
+
+    /// `x`'s first `full` elements (a whole number of chunks of `2·lanes`) in the order a chunk's
+    /// two registers hold W's elements ([`Widen::chunk16`]): for paired weights, within each
+    /// chunk, the elements at even positions, then those at odd; otherwise (and past `full`) as
+    /// they are. A dot product with a column of W read in chunks takes x so.
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) fn chunked<E: Widen>(x: &[f32], lanes: usize, full: usize) -> Vec<f32> {
+        debug_assert!(full.is_multiple_of(2 * lanes) && full <= x.len());
+        let mut out = x.to_vec();
+        if E::PAIRED {
+            for (out, x) in out[..full]
+                .chunks_exact_mut(2 * lanes)
+                .zip(x.chunks_exact(2 * lanes))
+            {
+                for i in 0..lanes {
+                    (out[i], out[lanes + i]) = (x[2 * i], x[2 * i + 1]);
+                }
+            }
+        }
+        out
     }
 
     /// How a weight `[k, n]` lies in memory.
@@ -437,27 +553,58 @@ pub(crate) mod flex {
         cols: Range<usize>,
     ) -> Vec<f32> {
         let width = cols.len();
-        let mut y = vec![0.0f32; m * width];
+        let mut out = Aligned::zeros(m * width);
+        let y = out.as_mut_slice();
         let w = |i: usize| &data[i * row + cols.start..][..width];
         if streamed::<E>(m, width) {
             for i in rows {
                 // SAFETY: the caller's contract; `w(i)` is `width` = y.len() long.
-                unsafe { row_stream::<E, V>(x[i], &mut y, w(i)) };
+                unsafe { row_stream::<E, V>(x[i], y, w(i)) };
             }
-            return y;
+            return out.into_vec();
         }
         let fours = rows.start + rows.len() / 4 * 4;
         // SAFETY: the caller's contract; every row `w` gives is `width` = y.len() / m long.
         unsafe {
             for i in (rows.start..fours).step_by(4) {
                 let ws = core::array::from_fn::<_, 4, _>(|g| w(i + g));
-                rows_pass::<E, V, 4>(x, m, k, &mut y, i, ws, row);
+                rows_pass::<E, V, 4>(x, m, k, y, i, ws, row);
             }
             for i in fours..rows.end {
-                rows_pass::<E, V, 1>(x, m, k, &mut y, i, [w(i)], row);
+                rows_pass::<E, V, 1>(x, m, k, y, i, [w(i)], row);
             }
         }
-        y
+        out.into_vec()
+    }
+
+    /// Zeros from a 64-byte boundary of a vector's buffer: sums that [`row_stream`] and
+    /// [`rows_pass`] load and store a register at a time, each then within one cache line.
+    #[cfg(target_arch = "x86_64")]
+    struct Aligned {
+        buffer: Vec<f32>,
+        start: usize,
+        len: usize,
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    impl Aligned {
+        fn zeros(len: usize) -> Self {
+            let buffer = vec![0.0f32; len + 15];
+            let start = buffer.as_ptr().align_offset(64).min(15);
+            Self { buffer, start, len }
+        }
+
+        fn as_mut_slice(&mut self) -> &mut [f32] {
+            &mut self.buffer[self.start..][..self.len]
+        }
+
+        /// The sums, moved to the front of the buffer.
+        fn into_vec(mut self) -> Vec<f32> {
+            self.buffer
+                .copy_within(self.start..self.start + self.len, 0);
+            self.buffer.truncate(self.len);
+            self.buffer
+        }
     }
 
     /// Whether a product of `m` rows of x reads W one row (or column) of `len` elements at a time,
@@ -516,8 +663,26 @@ pub(crate) mod flex {
         }
     }
 
-    /// `⟨x, w⟩` for one column `w` of W, in four registers of lanes summed at the end, asking for
-    /// W [`AHEAD`] bytes on as [`row_stream`] does.
+    /// The first elements of a row or column of `len` that make whole chunks of `2·V::LANES`.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn chunks<V: simd::Lanes>(len: usize) -> usize {
+        len - len % (2 * V::LANES)
+    }
+
+    /// The elements, counted from a row's or column's start, that begin its 64-byte lines
+    /// within the chunk of `2·V::LANES` elements from `j`: over consecutive chunks, each line's
+    /// once.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn lines<E, V: simd::Lanes>(j: usize) -> impl Iterator<Item = usize> {
+        let line = 64 / size_of::<E>();
+        (j.next_multiple_of(line)..j + 2 * V::LANES).step_by(line)
+    }
+
+    /// `⟨x, w⟩` for one column `w` of W, x's whole chunks in [`chunked`] order, two chunks at a
+    /// time in four registers of lanes summed at the end, asking for W [`AHEAD`] bytes on as
+    /// [`row_stream`] does.
     ///
     /// # Safety
     /// The CPU has `V`'s instructions, and `w` holds at least `x.len()` elements.
@@ -525,32 +690,51 @@ pub(crate) mod flex {
     #[inline(always)]
     unsafe fn column_stream<E: Widen, V: simd::Lanes>(x: &[f32], w: &[E]) -> f32 {
         let len = x.len();
-        let step = 4 * V::LANES;
-        let full = len - len % step;
-        let line = 64 / size_of::<E>();
+        let chunk = 2 * V::LANES;
+        let full = chunks::<V>(len);
+        let pairs = len - len % (2 * chunk);
         // SAFETY: the caller's contract.
         let mut acc = [unsafe { V::splat(0.0) }; 4];
-        for i in (0..full).step_by(step) {
-            for l in (0..step).step_by(line) {
-                prefetch([w
-                    .as_ptr()
-                    .wrapping_byte_add(AHEAD + (i + l) * size_of::<E>())]);
+        // SAFETY (each call): the caller's contract; every chunk read ends at or before
+        // full ≤ len ≤ w.len().
+        unsafe {
+            for j in (0..pairs).step_by(2 * chunk) {
+                [acc[0], acc[1]] = dot_chunk(x, w, j, [acc[0], acc[1]]);
+                [acc[2], acc[3]] = dot_chunk(x, w, j + chunk, [acc[2], acc[3]]);
             }
-            for (g, acc) in acc.iter_mut().enumerate() {
-                let at = i + g * V::LANES;
-                // SAFETY: the caller's contract; at + LANES ≤ full ≤ len ≤ w.len().
-                *acc = unsafe {
-                    V::mul_add(
-                        V::load(x.as_ptr().add(at)),
-                        V::widen(w.as_ptr().add(at)),
-                        *acc,
-                    )
-                };
+            if full > pairs {
+                [acc[0], acc[1]] = dot_chunk(x, w, pairs, [acc[0], acc[1]]);
             }
         }
         let tail: f32 = (full..len).map(|i| x[i] * w[i].widen()).sum();
         // SAFETY: the caller's contract.
-        acc.iter().map(|acc| unsafe { acc.sum() }).sum::<f32>() + tail
+        unsafe { V::add(V::add(acc[0], acc[1]), V::add(acc[2], acc[3])).sum() + tail }
+    }
+
+    /// `[a, b]` plus the products of the chunk of `2·V::LANES` elements of x and w from `j`
+    /// (x's in [`chunked`] order), asking for W's lines [`AHEAD`] bytes on.
+    ///
+    /// # Safety
+    /// The CPU has `V`'s instructions, and x and w hold at least `j + 2·V::LANES` elements.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn dot_chunk<E: Widen, V: simd::Lanes>(
+        x: &[f32],
+        w: &[E],
+        j: usize,
+        [a, b]: [V; 2],
+    ) -> [V; 2] {
+        for l in lines::<E, V>(j) {
+            prefetch([w.as_ptr().wrapping_byte_add(AHEAD + l * size_of::<E>())]);
+        }
+        // SAFETY: the caller's contract.
+        unsafe {
+            let (lo, hi) = V::chunk(w.as_ptr().add(j));
+            [
+                V::mul_add(V::load(x.as_ptr().add(j)), lo, a),
+                V::mul_add(V::load(x.as_ptr().add(j + V::LANES)), hi, b),
+            ]
+        }
     }
 
     /// `y_r,: += Σ_g x_r,i+g·ws[g]` for the G rows `ws` of W from row i, asking for the G rows
@@ -599,7 +783,8 @@ pub(crate) mod flex {
 
     /// Column-major W: four columns of W at a time, each `y_rj = ⟨x_r,rows, W_rows,j⟩` in
     /// `V::LANES` lanes summed at the end, plus the terms past the last full register. Where
-    /// [`streamed`], one column of W at a time instead ([`column_stream`]).
+    /// [`streamed`], one column of W at a time instead ([`column_stream`], x's band in
+    /// [`chunked`] order).
     ///
     /// # Safety
     /// The CPU has `V`'s instructions.
@@ -619,10 +804,10 @@ pub(crate) mod flex {
         let mut y = vec![0.0f32; m * width];
         let w = |j: usize| &data[j * column + rows.start..][..len];
         if streamed::<E>(m, len) {
-            let xs = &x[rows.start..][..len];
+            let xs = chunked::<E>(&x[rows.start..][..len], V::LANES, chunks::<V>(len));
             for (c, y) in y.iter_mut().enumerate() {
                 // SAFETY: the caller's contract; `w` is `len` = xs.len() long.
-                *y = unsafe { column_stream::<E, V>(xs, w(cols.start + c)) };
+                *y = unsafe { column_stream::<E, V>(&xs, w(cols.start + c)) };
             }
             return y;
         }
@@ -678,7 +863,7 @@ pub(crate) mod flex {
 
         /// One register of f32 lanes and the operations of the products on it. Each method's
         /// safety: the CPU has the implementation's instructions, and a pointer reads or writes
-        /// `LANES` elements.
+        /// `LANES` elements (`chunk`: `2·LANES`).
         pub(crate) trait Lanes: Copy {
             const LANES: usize;
             /// `x` in every lane.
@@ -693,6 +878,14 @@ pub(crate) mod flex {
             unsafe fn mul_add(a: Self, b: Self, c: Self) -> Self;
             /// The lanes' sum.
             unsafe fn sum(self) -> f32;
+            /// The `2·LANES` elements from `p`, widened, in two registers in [`super::chunked`]
+            /// order.
+            unsafe fn chunk<E: Widen>(p: *const E) -> (Self, Self);
+            /// `a + b`, lane by lane.
+            unsafe fn add(a: Self, b: Self) -> Self;
+            /// Two registers in the order [`Self::chunk`] gives `E`'s elements, as the `2·LANES`
+            /// elements in memory order.
+            unsafe fn unchunk<E: Widen>(lo: Self, hi: Self) -> (Self, Self);
         }
 
         /// Sixteen lanes; its instructions are AVX-512F's.
@@ -730,6 +923,36 @@ pub(crate) mod flex {
             unsafe fn sum(self) -> f32 {
                 // SAFETY: the caller's contract.
                 unsafe { _mm512_reduce_add_ps(self.0) }
+            }
+            #[inline(always)]
+            unsafe fn chunk<E: Widen>(p: *const E) -> (Self, Self) {
+                // SAFETY: the caller's contract.
+                let (lo, hi) = unsafe { E::chunk16(p) };
+                (Self(lo), Self(hi))
+            }
+            #[inline(always)]
+            unsafe fn add(a: Self, b: Self) -> Self {
+                // SAFETY: the caller's contract.
+                Self(unsafe { _mm512_add_ps(a.0, b.0) })
+            }
+            #[inline(always)]
+            unsafe fn unchunk<E: Widen>(lo: Self, hi: Self) -> (Self, Self) {
+                if !E::PAIRED {
+                    return (lo, hi);
+                }
+                // Element 2i from lane i of `lo`, 2i + 1 from lane i of `hi` (index 16 + i).
+                // SAFETY: the caller's contract.
+                unsafe {
+                    let first =
+                        _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+                    let second = _mm512_setr_epi32(
+                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31,
+                    );
+                    (
+                        Self(_mm512_permutex2var_ps(lo.0, first, hi.0)),
+                        Self(_mm512_permutex2var_ps(lo.0, second, hi.0)),
+                    )
+                }
             }
         }
 
@@ -775,6 +998,33 @@ pub(crate) mod flex {
                     );
                     let pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
                     _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps::<1>(pairs, pairs)))
+                }
+            }
+            #[inline(always)]
+            unsafe fn chunk<E: Widen>(p: *const E) -> (Self, Self) {
+                // SAFETY: the caller's contract.
+                let (lo, hi) = unsafe { E::chunk8(p) };
+                (Self(lo), Self(hi))
+            }
+            #[inline(always)]
+            unsafe fn add(a: Self, b: Self) -> Self {
+                // SAFETY: the caller's contract.
+                Self(unsafe { _mm256_add_ps(a.0, b.0) })
+            }
+            #[inline(always)]
+            unsafe fn unchunk<E: Widen>(lo: Self, hi: Self) -> (Self, Self) {
+                if !E::PAIRED {
+                    return (lo, hi);
+                }
+                // Pairs interleaved within each 128-bit half, then the halves gathered.
+                // SAFETY: the caller's contract.
+                unsafe {
+                    let low = _mm256_unpacklo_ps(lo.0, hi.0);
+                    let high = _mm256_unpackhi_ps(lo.0, hi.0);
+                    (
+                        Self(_mm256_permute2f128_ps::<0x20>(low, high)),
+                        Self(_mm256_permute2f128_ps::<0x31>(low, high)),
+                    )
                 }
             }
         }
@@ -889,10 +1139,18 @@ pub(crate) mod flex {
 
         fn agree<E: Widen>(to: fn(f32) -> E) {
             // Rows and columns of W short enough to be streamed alone with one row of x
-            // (`streamed`): shorter than a pass of `column_stream`, and 297 deep (four passes of
-            // four registers of sixteen lanes, then a tail); rows too long (1,201 wide), columns
-            // too long (1,200 deep).
-            for (k, n) in [(37, 45), (300, 45), (40, 1203), (1203, 40)] {
+            // (`streamed`): 34 deep (one chunk of `column_stream` with AVX-512, a pair of chunks
+            // with AVX2, then a tail), 50 deep (a last single chunk with either), 64 deep (pairs
+            // of chunks only) and 297 deep (pairs of chunks, a single chunk with AVX-512, then a
+            // tail); rows too long (1,201 wide), columns too long (1,200 deep).
+            for (k, n) in [
+                (37, 45),
+                (53, 45),
+                (67, 45),
+                (300, 45),
+                (40, 1203),
+                (1203, 40),
+            ] {
                 agree_at(to, k, n);
             }
         }
@@ -940,6 +1198,36 @@ pub(crate) mod flex {
                         );
                     }
                 }
+            }
+        }
+
+        /// Over consecutive chunks, `lines` gives every 64-byte line's first element once.
+        fn lines_once<E, V: simd::Lanes>() {
+            let len = 8 * V::LANES;
+            let got: Vec<usize> = (0..len)
+                .step_by(2 * V::LANES)
+                .flat_map(lines::<E, V>)
+                .collect();
+            let want: Vec<usize> = (0..len).step_by(64 / size_of::<E>()).collect();
+            assert_eq!(got, want, "{} lanes of {} bytes", V::LANES, size_of::<E>());
+        }
+
+        #[test]
+        fn each_line_is_asked_for_once_and_sums_start_on_a_line() {
+            lines_once::<f32, simd::Avx512>();
+            lines_once::<f32, simd::Avx2>();
+            lines_once::<bf16, simd::Avx512>();
+            lines_once::<bf16, simd::Avx2>();
+            for len in [1, 15, 576, 1000] {
+                let mut sums = Aligned::zeros(len);
+                let slice = sums.as_mut_slice();
+                assert_eq!(slice.as_ptr().align_offset(64), 0, "{len} sums");
+                slice
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(i, s)| *s = i as f32);
+                let want: Vec<f32> = (0..len).map(|i| i as f32).collect();
+                assert_eq!(sums.into_vec(), want);
             }
         }
 

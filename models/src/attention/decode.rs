@@ -107,6 +107,8 @@ default_ops!(DecodeAttentionOps);
 mod flex {
     use crate::exp::{exp_shifted, max_of};
     #[cfg(target_arch = "x86_64")]
+    use crate::rows::flex::chunked;
+    #[cfg(target_arch = "x86_64")]
     use crate::rows::flex::simd::{Avx2, Avx512, Lanes};
     use crate::rows::flex::{Widen, dot};
     use burn::backend::ops::FloatTensorOps;
@@ -524,7 +526,13 @@ mod flex {
             p: &mut [f32],
             r: usize,
         ) {
-            let queries: [&[f32]; Q] = std::array::from_fn(|q| self.queries[r + q]);
+            // The queries in the order `L::chunk` reads the keys' elements.
+            let chunked: [Vec<f32>; Q] = std::array::from_fn(|q| {
+                let query = self.queries[r + q];
+                let full = query.len() - query.len() % (2 * L::LANES);
+                chunked::<E>(query, L::LANES, full)
+            });
+            let queries: [&[f32]; Q] = std::array::from_fn(|q| chunked[q].as_slice());
             let mut j = 0;
             // SAFETY: L's instructions (the caller's contract).
             unsafe {
@@ -539,7 +547,9 @@ mod flex {
             }
         }
 
-        /// `p[(r + q)·keys + j + k] = ⟨queries[q], k_{j+k}⟩` for `Q` queries and `N` keys.
+        /// `p[(r + q)·keys + j + k] = ⟨queries[q], k_{j+k}⟩` for `Q` queries and `N` keys, the
+        /// keys read by whole chunks of `2·LANES` elements ([`Lanes::chunk`], the queries' chunks
+        /// in that order: [`chunked`]), then by registers, then one by one.
         ///
         /// # Safety
         /// The CPU has `L`'s instructions.
@@ -558,12 +568,27 @@ mod flex {
                 .chain(keys.iter().map(|k| k.len()))
                 .min()
                 .unwrap_or(0);
+            // Queries chunked by their own width: keys as wide.
+            debug_assert!(queries.iter().all(|q| q.len() == d));
+            let chunks = d - d % (2 * L::LANES);
             let full = d - d % L::LANES;
-            // SAFETY: L's instructions (the caller's contract); i + LANES ≤ full ≤ the length of
-            // every query and key.
+            // SAFETY: L's instructions (the caller's contract); i + 2·LANES ≤ chunks and
+            // i + LANES ≤ full, both ≤ the length of every query and key.
             unsafe {
                 let mut acc = [[L::splat(0.0); N]; Q];
-                for i in (0..full).step_by(L::LANES) {
+                for i in (0..chunks).step_by(2 * L::LANES) {
+                    let x: [[L; 2]; Q] = std::array::from_fn(|q| {
+                        let at = queries[q].as_ptr().add(i);
+                        [L::load(at), L::load(at.add(L::LANES))]
+                    });
+                    for k in 0..N {
+                        let (lo, hi) = L::chunk(keys[k].as_ptr().add(i));
+                        for q in 0..Q {
+                            acc[q][k] = L::mul_add(x[q][1], hi, L::mul_add(x[q][0], lo, acc[q][k]));
+                        }
+                    }
+                }
+                for i in (chunks..full).step_by(L::LANES) {
                     let x: [L; Q] = std::array::from_fn(|q| L::load(queries[q].as_ptr().add(i)));
                     for k in 0..N {
                         let y = L::widen(keys[k].as_ptr().add(i));
@@ -610,7 +635,8 @@ mod flex {
 
         /// [`Self::weigh_portable`] for `Q` queries at once in `Q × R` registers of `L`'s
         /// lanes: each value widened once for every query of the block, `R·LANES` columns at
-        /// a time.
+        /// a time, read by chunks of `2·LANES` ([`Lanes::chunk`]) and summed in that order,
+        /// put back in memory order when stored ([`Lanes::unchunk`]).
         ///
         /// # Safety
         /// The CPU has `L`'s instructions.
@@ -626,6 +652,7 @@ mod flex {
             rows: Range<usize>,
             outs: &mut [&mut [f32]],
         ) {
+            const { assert!(R.is_multiple_of(2), "whole chunks of two registers") };
             let keys = self.keys;
             let w: [&[f32]; Q] = std::array::from_fn(|q| &p[(rows.start + q) * keys..][..keys]);
             let width = R * L::LANES;
@@ -641,17 +668,20 @@ mod flex {
                     for j in 0..keys {
                         let v = (self.value)(j)[c * width..][..width].as_ptr();
                         let s: [L; Q] = std::array::from_fn(|q| L::splat(w[q][j]));
-                        for i in 0..R {
-                            let x = L::widen(v.add(i * L::LANES));
+                        for i in (0..R).step_by(2) {
+                            let (lo, hi) = L::chunk(v.add(i * L::LANES));
                             for q in 0..Q {
-                                acc[q][i] = L::mul_add(s[q], x, acc[q][i]);
+                                acc[q][i] = L::mul_add(s[q], lo, acc[q][i]);
+                                acc[q][i + 1] = L::mul_add(s[q], hi, acc[q][i + 1]);
                             }
                         }
                     }
-                    for (q, acc) in acc.iter().enumerate() {
+                    for q in 0..Q {
                         let o = outs[q][c * width..][..width].as_mut_ptr();
-                        for (i, acc) in acc.iter().enumerate() {
-                            acc.store(o.add(i * L::LANES));
+                        for i in (0..R).step_by(2) {
+                            let (lo, hi) = L::unchunk::<E>(acc[q][i], acc[q][i + 1]);
+                            lo.store(o.add(i * L::LANES));
+                            hi.store(o.add((i + 1) * L::LANES));
                         }
                     }
                 }
