@@ -30,11 +30,12 @@
 //! The weight may be in another dtype than `x` (inference weights kept in bf16,
 //! [`crate::Model::with_weight_dtype`]): `y = x·f32(W)`. The kernel widens each bf16 weight as it
 //! reads it (a bf16 is an f32's upper half: exact), so it streams half the bytes, and reads a
-//! column streamed alone (a tied head's) 64 bytes at a time, registers of bf16 pairs split into
-//! even and odd elements (`flex::Widen::chunk16`), x permuted to match once per band. The plain
-//! product casts W to x's dtype first. The kernels' sums start at a 64-byte boundary: from wherever
-//! the allocator put them, a register's load and store of a row's sums could straddle two cache
-//! lines, and the same decoding step's products took 6–11% longer by the heap's layout alone.
+//! column streamed alone (a tied head's) a register of bf16 pairs at a time (64 bytes with
+//! AVX-512, 32 with AVX2), split into even and odd elements (`flex::Widen::chunk16`), x permuted to
+//! match once per band. The plain product casts W to x's dtype first. The row-major kernels' sums
+//! start at a 64-byte boundary: from wherever the allocator put them, a register's load and store
+//! of them could straddle two cache lines, and the same decoding step's bf16 products took about
+//! 10% longer by the heap's layout alone.
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
 #![allow(deprecated)]
 
@@ -158,6 +159,8 @@ pub(crate) mod flex {
     use burn::backend::{Flex, TensorMetadata};
     use burn::tensor::{DType, TensorData, bf16};
     use core::ops::Range;
+    #[cfg(target_arch = "x86_64")]
+    use std::borrow::Cow;
 
     /// A weight's element, read as the f32 it is or widens to exactly.
     pub(crate) trait Widen: Copy + Send + Sync {
@@ -273,14 +276,14 @@ pub(crate) mod flex {
             }
         }
 
-        /// One load of 64 bytes, 32 bf16 (a whole cache line where W's column starts on one, as
-        /// a tied head's `[vocab, 576]` rows do): lane i holds elements 2i (low half) and 2i + 1
-        /// (high half); shifted left, the low half is element 2i's f32, masked, the high half
-        /// element 2i + 1's. No widening load: on an AVX-512 AMD EPYC a 135M model's tied head
-        /// (`[49152, 576]` bf16, one row of x) streamed at 20.3 GB/s reading sixteen bf16 at a
-        /// time with `load16`, 23.6 so (medians of five interleaved runs); the feed-forward's
-        /// and attention's row-major products, tried so too (their outputs in that order until
-        /// the end), ran slower (`row_stream` 26 → 19 GB/s).
+        /// One load of 64 bytes, 32 bf16 (a whole cache line where W's storage starts on one: a
+        /// tied head's 1,152-byte rows would then all do): lane i holds elements 2i (low half)
+        /// and 2i + 1 (high half); shifted left, the low half is element 2i's f32, masked, the
+        /// high half element 2i + 1's. No widening load: on an AVX-512 AMD EPYC a 135M model's
+        /// tied head (`[49152, 576]` bf16, one row of x) streamed at 20.3 GB/s reading sixteen
+        /// bf16 at a time with `load16`, 23.6 so (medians of five interleaved runs); the
+        /// feed-forward's and attention's row-major products, tried so too (their outputs in
+        /// that order until the end), ran slower (`row_stream` 26 → 19 GB/s).
         #[cfg(target_arch = "x86_64")]
         #[inline(always)]
         unsafe fn chunk16(
@@ -325,20 +328,21 @@ pub(crate) mod flex {
     /// chunk, the elements at even positions, then those at odd; otherwise (and past `full`) as
     /// they are. A dot product with a column of W read in chunks takes x so.
     #[cfg(target_arch = "x86_64")]
-    pub(crate) fn chunked<E: Widen>(x: &[f32], lanes: usize, full: usize) -> Vec<f32> {
+    pub(crate) fn chunked<E: Widen>(x: &[f32], lanes: usize, full: usize) -> Cow<'_, [f32]> {
         debug_assert!(full.is_multiple_of(2 * lanes) && full <= x.len());
+        if !E::PAIRED || full == 0 {
+            return Cow::Borrowed(x);
+        }
         let mut out = x.to_vec();
-        if E::PAIRED {
-            for (out, x) in out[..full]
-                .chunks_exact_mut(2 * lanes)
-                .zip(x.chunks_exact(2 * lanes))
-            {
-                for i in 0..lanes {
-                    (out[i], out[lanes + i]) = (x[2 * i], x[2 * i + 1]);
-                }
+        for (out, x) in out[..full]
+            .chunks_exact_mut(2 * lanes)
+            .zip(x.chunks_exact(2 * lanes))
+        {
+            for i in 0..lanes {
+                (out[i], out[lanes + i]) = (x[2 * i], x[2 * i + 1]);
             }
         }
-        out
+        Cow::Owned(out)
     }
 
     /// How a weight `[k, n]` lies in memory.
@@ -578,7 +582,8 @@ pub(crate) mod flex {
     }
 
     /// Zeros from a 64-byte boundary of a vector's buffer: sums that [`row_stream`] and
-    /// [`rows_pass`] load and store a register at a time, each then within one cache line.
+    /// [`rows_pass`] load and store a register at a time, each then within one cache line (every
+    /// row's, where rows are a multiple of sixteen wide, as a 135M model's are).
     #[cfg(target_arch = "x86_64")]
     struct Aligned {
         buffer: Vec<f32>,
@@ -883,6 +888,8 @@ pub(crate) mod flex {
             unsafe fn chunk<E: Widen>(p: *const E) -> (Self, Self);
             /// `a + b`, lane by lane.
             unsafe fn add(a: Self, b: Self) -> Self;
+            /// The CPU's vector registers of this width (AVX-512: 32, AVX2: 16).
+            const REGISTERS: usize;
             /// Two registers in the order [`Self::chunk`] gives `E`'s elements, as the `2·LANES`
             /// elements in memory order.
             unsafe fn unchunk<E: Widen>(lo: Self, hi: Self) -> (Self, Self);
@@ -894,6 +901,7 @@ pub(crate) mod flex {
 
         impl Lanes for Avx512 {
             const LANES: usize = 16;
+            const REGISTERS: usize = 32;
             #[inline(always)]
             unsafe fn splat(x: f32) -> Self {
                 // SAFETY: the caller's contract.
@@ -962,6 +970,7 @@ pub(crate) mod flex {
 
         impl Lanes for Avx2 {
             const LANES: usize = 8;
+            const REGISTERS: usize = 16;
             #[inline(always)]
             unsafe fn splat(x: f32) -> Self {
                 // SAFETY: the caller's contract.

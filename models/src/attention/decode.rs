@@ -25,8 +25,9 @@
 //! ```
 //!
 //! All of it in place (K and V in f32 or in bf16, a cache kept narrower: [`crate::cache`],
-//! widened as read). Its dot products and weighted sums run in the widest registers the CPU has:
-//! AVX-512's, or AVX2's with fused multiply-adds, else in loops the compiler vectorises. Only
+//! widened as read; with AVX-512 a register of bf16 pairs, 64 bytes, at a time: `by_chunks`).
+//! Its dot products and weighted sums run in the widest registers the CPU has: AVX-512's, or
+//! AVX2's with fused multiply-adds, else in loops the compiler vectorises. Only
 //! Flex with f32 queries, contiguous last dimensions and the shapes above takes it:
 //! [`attention`] answers `None` for everything else, autodiff included.
 // NdArray and LibTorch are deprecated upstream in favour of Flex; we keep supporting them.
@@ -527,12 +528,11 @@ mod flex {
             r: usize,
         ) {
             // The queries in the order `L::chunk` reads the keys' elements.
-            let chunked: [Vec<f32>; Q] = std::array::from_fn(|q| {
+            let chunked: [_; Q] = std::array::from_fn(|q| {
                 let query = self.queries[r + q];
-                let full = query.len() - query.len() % (2 * L::LANES);
-                chunked::<E>(query, L::LANES, full)
+                chunked::<E>(query, L::LANES, chunks::<L>(query.len()))
             });
-            let queries: [&[f32]; Q] = std::array::from_fn(|q| chunked[q].as_slice());
+            let queries: [&[f32]; Q] = std::array::from_fn(|q| &*chunked[q]);
             let mut j = 0;
             // SAFETY: L's instructions (the caller's contract).
             unsafe {
@@ -548,8 +548,8 @@ mod flex {
         }
 
         /// `p[(r + q)·keys + j + k] = ⟨queries[q], k_{j+k}⟩` for `Q` queries and `N` keys, the
-        /// keys read by whole chunks of `2·LANES` elements ([`Lanes::chunk`], the queries' chunks
-        /// in that order: [`chunked`]), then by registers, then one by one.
+        /// keys read by whole chunks of `2·LANES` elements where [`by_chunks`] ([`Lanes::chunk`],
+        /// the queries' chunks in that order: [`chunked`]), then by registers, then one by one.
         ///
         /// # Safety
         /// The CPU has `L`'s instructions.
@@ -570,7 +570,7 @@ mod flex {
                 .unwrap_or(0);
             // Queries chunked by their own width: keys as wide.
             debug_assert!(queries.iter().all(|q| q.len() == d));
-            let chunks = d - d % (2 * L::LANES);
+            let chunks = chunks::<L>(d);
             let full = d - d % L::LANES;
             // SAFETY: L's instructions (the caller's contract); i + 2·LANES ≤ chunks and
             // i + LANES ≤ full, both ≤ the length of every query and key.
@@ -635,8 +635,8 @@ mod flex {
 
         /// [`Self::weigh_portable`] for `Q` queries at once in `Q × R` registers of `L`'s
         /// lanes: each value widened once for every query of the block, `R·LANES` columns at
-        /// a time, read by chunks of `2·LANES` ([`Lanes::chunk`]) and summed in that order,
-        /// put back in memory order when stored ([`Lanes::unchunk`]).
+        /// a time (where [`by_chunks`], read by chunks of `2·LANES` ([`Lanes::chunk`]) and summed
+        /// in that order, put back in memory order when stored ([`Lanes::unchunk`])).
         ///
         /// # Safety
         /// The CPU has `L`'s instructions.
@@ -658,28 +658,43 @@ mod flex {
             let width = R * L::LANES;
             let d_v = outs.iter().map(|o| o.len()).min().unwrap_or(0);
             let blocks = d_v / width;
-            // SAFETY: L's instructions (the caller's contract); register i of block c reads
-            // LANES values and writes LANES outputs from c·width + i·LANES, inside the slices of
-            // `width` elements from c·width taken (bounds-checked) of the key's values and of the
-            // query's output row.
+            // SAFETY: L's instructions (the caller's contract); registers i (and i + 1, by chunks:
+            // i even, i + 2 ≤ R) of block c read and write LANES values (2·LANES) from
+            // c·width + i·LANES, inside the slices of `width` elements from c·width taken
+            // (bounds-checked) of the key's values and of the query's output row.
             unsafe {
                 for c in 0..blocks {
                     let mut acc = [[L::splat(0.0); R]; Q];
                     for j in 0..keys {
                         let v = (self.value)(j)[c * width..][..width].as_ptr();
                         let s: [L; Q] = std::array::from_fn(|q| L::splat(w[q][j]));
-                        for i in (0..R).step_by(2) {
-                            let (lo, hi) = L::chunk(v.add(i * L::LANES));
-                            for q in 0..Q {
-                                acc[q][i] = L::mul_add(s[q], lo, acc[q][i]);
-                                acc[q][i + 1] = L::mul_add(s[q], hi, acc[q][i + 1]);
+                        match by_chunks::<L>() {
+                            true => {
+                                for i in (0..R).step_by(2) {
+                                    let (lo, hi) = L::chunk(v.add(i * L::LANES));
+                                    for q in 0..Q {
+                                        acc[q][i] = L::mul_add(s[q], lo, acc[q][i]);
+                                        acc[q][i + 1] = L::mul_add(s[q], hi, acc[q][i + 1]);
+                                    }
+                                }
+                            }
+                            false => {
+                                for i in 0..R {
+                                    let x = L::widen(v.add(i * L::LANES));
+                                    for q in 0..Q {
+                                        acc[q][i] = L::mul_add(s[q], x, acc[q][i]);
+                                    }
+                                }
                             }
                         }
                     }
                     for q in 0..Q {
                         let o = outs[q][c * width..][..width].as_mut_ptr();
                         for i in (0..R).step_by(2) {
-                            let (lo, hi) = L::unchunk::<E>(acc[q][i], acc[q][i + 1]);
+                            let (lo, hi) = match by_chunks::<L>() {
+                                true => L::unchunk::<E>(acc[q][i], acc[q][i + 1]),
+                                false => (acc[q][i], acc[q][i + 1]),
+                            };
                             lo.store(o.add(i * L::LANES));
                             hi.store(o.add((i + 1) * L::LANES));
                         }
@@ -705,6 +720,26 @@ mod flex {
                     *o += w * v.widen();
                 }
             }
+        }
+    }
+
+    /// Whether the kernels in `L`'s registers read keys and values by chunks of two registers
+    /// ([`Lanes::chunk`]: bf16 pairs 64 bytes at a time): with AVX-512's 32 registers; AVX2's 16
+    /// hold a block's twelve accumulators and its queries but not the chunks too.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn by_chunks<L: Lanes>() -> bool {
+        L::REGISTERS >= 32
+    }
+
+    /// The first of `len` elements that make whole chunks, where `L`'s kernels read by chunks
+    /// ([`by_chunks`]); else none.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn chunks<L: Lanes>(len: usize) -> usize {
+        match by_chunks::<L>() {
+            true => len - len % (2 * L::LANES),
+            false => 0,
         }
     }
 
@@ -816,10 +851,11 @@ mod flex {
         #[test]
         fn every_implementation_agrees_with_the_attention_in_f64() {
             // One, two and three queries in a block; four and five: a block of three, then of one
-            // or two. Widths with tails past the registers, a 135M Llama's (no tails), narrower
-            // than a register and than a block of columns.
+            // or two. Widths with tails past the registers, a 135M Llama's (no tails), 59 (with
+            // AVX-512 a chunk of two registers, then one, then a tail), narrower than a register
+            // and than a block of columns.
             for n in [1, 2, 3, 4, 5] {
-                for widths in [(27, 2 * COLUMNS + 13), (64, 64), (5, 13)] {
+                for widths in [(27, 2 * COLUMNS + 13), (64, 64), (59, 64), (5, 13)] {
                     agree::<f32>(n, widths, |v| v, |v| v);
                     agree::<bf16>(n, widths, bf16::from_f32, bf16::to_f32);
                 }
