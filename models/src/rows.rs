@@ -671,7 +671,7 @@ pub(crate) mod flex {
     /// The first elements of a row or column of `len` that make whole chunks of `2·V::LANES`.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    fn chunks<V: simd::Lanes>(len: usize) -> usize {
+    pub(crate) fn chunks<V: simd::Lanes>(len: usize) -> usize {
         len - len % (2 * V::LANES)
     }
 

@@ -738,7 +738,7 @@ mod flex {
     #[inline(always)]
     fn chunks<L: Lanes>(len: usize) -> usize {
         match by_chunks::<L>() {
-            true => len - len % (2 * L::LANES),
+            true => crate::rows::flex::chunks::<L>(len),
             false => 0,
         }
     }
