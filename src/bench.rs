@@ -24,12 +24,12 @@
 
 mod profile;
 mod roofline;
-mod trust;
 
 use crate::device;
 use crate::plan::Gpu;
 use crate::recipe::{self, OptimizerSection, Recompute};
 use crate::train::{self, grads, step};
+use crate::trust::{self, Cpu, Figure, LoadProbe, Spread, median};
 use anyhow::{Context, Result, anyhow, bail};
 use burn::data::dataloader::batcher::Batcher;
 use burn::module::Module;
@@ -45,7 +45,6 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
-use trust::{Cpu, Figure, LoadProbe, Spread};
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -350,18 +349,6 @@ pub struct Row {
     pub step_time_vs_transformer: Option<f64>,
     pub torch: Option<Measurement>,
     pub vs_torch: Option<VsTorch>,
-}
-
-/// The median of `values` (the mean of the middle two for an even count).
-pub fn median(values: &mut [f64]) -> f64 {
-    assert!(!values.is_empty(), "median of nothing");
-    values.sort_by(f64::total_cmp);
-    let n = values.len();
-    if n % 2 == 1 {
-        values[n / 2]
-    } else {
-        (values[n / 2 - 1] + values[n / 2]) / 2.0
-    }
 }
 
 /// The tokens/s of `reps` calls of `f` processing `tokens` each, after `warmup` untimed ones.
@@ -1107,13 +1094,6 @@ fn run_torch(args: &BenchArgs, shape: &Shape, device: &str) -> Result<TorchRun> 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn median_of_odd_and_even_counts() {
-        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
-        assert_eq!(median(&mut [7.0]), 7.0);
-    }
 
     #[test]
     fn sizes_parse_from_numbers_or_recipes() {

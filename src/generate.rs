@@ -20,11 +20,16 @@
 //! the model on the terminal, one line a turn, the conversation kept and the KV cache reused
 //! between turns (the next turn's rendering is compared with what the cache holds, which is
 //! cut back to the tokens they share; only the rest is computed).
+//!
+//! Its timings say when not to believe them ([`crate::trust`]): the load average before the
+//! generation and the cores' worth of CPU time other processes took while it ran, with a warning
+//! (in `--json`'s `warnings`, else on stderr) when they took more than a quarter of a core.
 
 use crate::chat::{self, Message, Template};
 use crate::hf::GENERATION_CONFIG;
 use crate::run;
 use crate::run::WeightDtype;
+use crate::trust;
 use anyhow::{Result, anyhow, bail};
 use burn::tensor::Device;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
@@ -169,6 +174,8 @@ struct Output {
     cache_dtype: CacheDtype,
     generations: Vec<Generation>,
     timings: Timings,
+    /// Reasons not to trust the timings ([`trust::warnings`]).
+    warnings: Vec<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -205,6 +212,11 @@ struct Timings {
     decode_tokens: usize,
     decode_seconds: f64,
     decode_tokens_per_sec: Option<f64>,
+    /// The one-minute load average before the first prefill (`None`: unknown).
+    load_before: Option<f64>,
+    /// Cores' worth of CPU time other processes took on this process's cores from the first
+    /// prefill to the last token ([`trust::LoadProbe`]; `None`: unknown).
+    competing_cores: Option<f64>,
 }
 
 /// One prompt's progress.
@@ -293,6 +305,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             eot,
         )?;
     }
+    let (load_before, probe) = (trust::load_average(), trust::LoadProbe::start());
     let (mut prefill_seconds, mut decode_seconds, mut decode_tokens) = (0.0, 0.0, 0);
     for batch in rows.chunks_mut(args.batch_size) {
         let decoding = (&model, &device, cache_dtype);
@@ -309,7 +322,19 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         decode_tokens,
         decode_seconds,
         decode_tokens_per_sec: rate(decode_tokens, decode_seconds),
+        load_before,
+        competing_cores: probe.and_then(|p| p.competing_cores()),
     };
+    // Only what competed during the generation: a load average before it still counts the
+    // last minute's runs, one's own back-to-back generations included.
+    let warnings = trust::warnings(
+        None,
+        &[trust::Figure {
+            what: "generation".into(),
+            spread: None,
+            competing: timings.competing_cores,
+        }],
+    );
     let generations: Vec<Generation> = rows
         .into_iter()
         .zip(texts)
@@ -339,6 +364,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             cache_dtype: cache,
             generations,
             timings,
+            warnings,
         };
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
@@ -349,6 +375,9 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             show(timings.prefill_tokens_per_sec),
             show(timings.decode_tokens_per_sec)
         );
+        for warning in &warnings {
+            eprintln!("warning: {warning}");
+        }
     }
     Ok(())
 }

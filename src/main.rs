@@ -28,6 +28,7 @@ mod stats;
 mod sweep;
 mod synth;
 mod train;
+mod trust;
 mod watch;
 
 use anyhow::Result;

@@ -34,7 +34,7 @@ fn assert_same_steps(a: &[Value], b: &[Value]) {
 
 /// `generate` on a micro run (a context of 32): the context is refused before any work unless
 /// a sliding window is asked for, `--stop` cuts the text, a batch of prompts generates what each
-/// prompt generates alone, bad options are named.
+/// prompt generates alone, timings beside busy processes are flagged, bad options are named.
 fn generation_limits_stops_and_batches(run: &Path) {
     let generate = |extra: &[&str]| -> Vec<Value> {
         let mut args = vec!["generate", "--run", path(run), "--json"];
@@ -134,6 +134,32 @@ fn generation_limits_stops_and_batches(run: &Path) {
         ]);
         assert!(err.contains(&format!("{flag} {value}")), "{err}");
     }
+    // Timings flag a generation beside other busy processes: two shells spinning on the cores.
+    let spinners = Spinners::start(2);
+    let out: Value = serde_json::from_str(&ok(&[
+        "generate",
+        "--run",
+        path(run),
+        "--prompt",
+        "ROMEO:",
+        "--max-tokens",
+        "300",
+        "--sliding-window",
+        "--ignore-eot",
+        "--json",
+    ]))
+    .unwrap();
+    drop(spinners);
+    let competing = out["timings"]["competing_cores"].as_f64().unwrap();
+    assert!(competing > 0.25, "{}", out["timings"]);
+    let warnings = out["warnings"].as_array().unwrap();
+    assert!(
+        warnings.iter().any(|w| w
+            .as_str()
+            .unwrap()
+            .starts_with("generation: other processes took")),
+        "{warnings:?}"
+    );
     let err = fails(&["generate", "--run", path(run), "--prompts", "no/such/file"]);
     assert!(err.contains("--prompts no/such/file"), "{err}");
     let err = fails(&[
@@ -150,6 +176,30 @@ fn generation_limits_stops_and_batches(run: &Path) {
         err.contains("--sliding-window takes one prompt at a time (2 given)"),
         "{err}"
     );
+}
+
+/// Shells spinning on the CPU until dropped.
+struct Spinners(Vec<std::process::Child>);
+
+impl Spinners {
+    fn start(count: usize) -> Self {
+        let spin = || {
+            std::process::Command::new("sh")
+                .args(["-c", "while :; do :; done"])
+                .spawn()
+                .unwrap()
+        };
+        Self((0..count).map(|_| spin()).collect())
+    }
+}
+
+impl Drop for Spinners {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 /// A finished `micro` run as if killed before its second checkpoint was written whole: the final

@@ -79,7 +79,7 @@ fn matmul_flops(device: &Device, dtype: FloatDType, reps: usize) -> Result<f64> 
         product()?;
         seconds.push(start.elapsed().as_secs_f64());
     }
-    Ok(2.0 * (n as f64).powi(3) / super::median(&mut seconds))
+    Ok(2.0 * (n as f64).powi(3) / crate::trust::median(&mut seconds))
 }
 
 /// Bytes/s of summing [`READ_BYTES`] of f32 on `device` (median of `reps`, after one untimed):
@@ -95,5 +95,5 @@ fn read_bandwidth(device: &Device, reps: usize) -> Result<f64> {
         std::hint::black_box(sum());
         seconds.push(start.elapsed().as_secs_f64());
     }
-    Ok(READ_BYTES as f64 / super::median(&mut seconds))
+    Ok(READ_BYTES as f64 / crate::trust::median(&mut seconds))
 }

@@ -1,6 +1,6 @@
-//! What makes a benchmark figure believable, measured beside it: the spread of its repetitions,
-//! the CPU time other processes took on this process's cores while it ran, the load before the
-//! run, and the CPU it ran on.
+//! What makes a speed figure (`bench`'s, `generate`'s timings) believable, measured beside it:
+//! the spread of its repetitions, the CPU time other processes took on this process's cores
+//! while it ran, the load before the run, and the CPU it ran on.
 //!
 //! ```text
 //! spread width  = (max − min) / median                  of the repetitions' tokens/s
@@ -25,6 +25,18 @@ pub const COMPETING: f64 = 0.25;
 /// A load average (one minute) above this many cores before the run is flagged.
 pub const LOADED: f64 = 0.5;
 
+/// The median of `values` (the mean of the middle two for an even count).
+pub fn median(values: &mut [f64]) -> f64 {
+    assert!(!values.is_empty(), "median of nothing");
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
 /// Tokens per second over the timed repetitions.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Spread {
@@ -37,7 +49,7 @@ impl Spread {
     /// The rates `tokens / s` of repetitions that took `seconds` each (at least one).
     pub fn of_rates(tokens: f64, seconds: &[f64]) -> Self {
         let mut rates: Vec<f64> = seconds.iter().map(|s| tokens / s.max(1e-12)).collect();
-        let median = super::median(&mut rates);
+        let median = median(&mut rates);
         Self {
             min: rates[0],
             median,
@@ -246,6 +258,13 @@ pub fn warnings(load_before: Option<f64>, figures: &[Figure]) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&mut [7.0]), 7.0);
+    }
 
     #[test]
     fn a_spread_is_of_the_repetitions_rates() {
