@@ -169,6 +169,46 @@ pub fn tokenizer_home(recipe: &Recipe) -> Option<PathBuf> {
     }
 }
 
+/// What a run directory says of itself: one row of a sweep's summary.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RunSummary {
+    pub recipe: String,
+    pub attention: String,
+    pub params: u64,
+    pub params_paper: u64,
+    pub tokens: u64,
+    pub validation_loss: Option<f64>,
+    pub wall_sec: Option<f64>,
+    pub status: String,
+    /// `training.seed` of a sweep over seeds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+}
+
+/// Summarises a run directory (finished or not).
+pub fn summarize(run_dir: &Path, name: &str) -> Result<RunSummary> {
+    let recipe: Recipe = run_recipe(run_dir)?;
+    let derived = recipe.derived();
+    let records = metrics_records(run_dir);
+    let validation_loss = last_validation_loss(&records);
+    let status = if run_dir.join(FINAL_MODEL).exists() {
+        "finished"
+    } else {
+        "incomplete"
+    };
+    Ok(RunSummary {
+        recipe: name.to_string(),
+        attention: recipe.model.attention.to_string(),
+        params: derived.params_total,
+        params_paper: derived.params_paper,
+        tokens: derived.tokens,
+        validation_loss,
+        wall_sec: records.last().and_then(|r| r["elapsed_sec"].as_f64()),
+        status: status.into(),
+        seed: None,
+    })
+}
+
 /// The records of a run's `metrics.jsonl` (none when it has no log; unreadable lines skipped).
 pub fn metrics_records(run: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run.join(METRICS))

@@ -9,7 +9,6 @@
 use crate::plot::{self, Chart, Series};
 use crate::run;
 use crate::run::run_seeds;
-use crate::sweep::summarize;
 use anyhow::{Result, bail};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -254,7 +253,7 @@ fn collect(sweeps: &[PathBuf], axis: &str) -> Result<BTreeMap<String, Vec<(f64, 
                 run_seeds(&dir)
             });
         for dir in runs {
-            let Ok(summary) = summarize(&dir, &dir.display().to_string()) else {
+            let Ok(summary) = run::summarize(&dir, &dir.display().to_string()) else {
                 continue;
             };
             if summary.status != "finished" {

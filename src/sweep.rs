@@ -12,7 +12,7 @@
 
 use crate::Outcome;
 use crate::plan::{Fit, Gpu, Plan};
-use crate::recipe::{self, Recipe};
+use crate::recipe;
 use crate::run;
 use crate::slurm::{self, After, Job, SlurmArgs};
 use crate::stats;
@@ -80,22 +80,6 @@ pub struct SweepArgs {
     pub cpus_per_run: Option<u64>,
     #[arg(long)]
     pub json: bool,
-}
-
-/// One row of the summary.
-#[derive(Debug, Clone, Serialize)]
-pub struct RunSummary {
-    pub recipe: String,
-    pub attention: String,
-    pub params: u64,
-    pub params_paper: u64,
-    pub tokens: u64,
-    pub validation_loss: Option<f64>,
-    pub wall_sec: Option<f64>,
-    pub status: String,
-    /// `training.seed` of a sweep over seeds.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub seed: Option<u64>,
 }
 
 /// A recipe of a sweep over seeds: its validation loss over the seeds that finished.
@@ -217,30 +201,6 @@ fn recipes(sweep: &str) -> Result<Vec<(String, String)>> {
         bail!("`{sweep}` is neither a directory of recipes nor a built-in recipe folder");
     }
     Ok(found)
-}
-
-/// Summarises a run directory (finished or not).
-pub fn summarize(run_dir: &Path, name: &str) -> Result<RunSummary> {
-    let recipe: Recipe = run::run_recipe(run_dir)?;
-    let derived = recipe.derived();
-    let records = run::metrics_records(run_dir);
-    let validation_loss = run::last_validation_loss(&records);
-    let status = if run_dir.join(run::FINAL_MODEL).exists() {
-        "finished"
-    } else {
-        "incomplete"
-    };
-    Ok(RunSummary {
-        recipe: name.to_string(),
-        attention: recipe.model.attention.to_string(),
-        params: derived.params_total,
-        params_paper: derived.params_paper,
-        tokens: derived.tokens,
-        validation_loss,
-        wall_sec: records.last().and_then(|r| r["elapsed_sec"].as_f64()),
-        status: status.into(),
-        seed: None,
-    })
 }
 
 /// Trains one member unless finished; returns whether it finished (else it was stopped by a
@@ -419,10 +379,10 @@ fn check_layout(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> 
 
 /// Writes `summary.json` over every run directory there is and prints it.
 fn write_summary(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
-    let rows: Vec<RunSummary> = members
+    let rows: Vec<run::RunSummary> = members
         .iter()
         .filter_map(|m| {
-            let mut row = summarize(&out.join(&m.name), &m.name).ok()?;
+            let mut row = run::summarize(&out.join(&m.name), &m.name).ok()?;
             row.seed = m.seed;
             Some(row)
         })
@@ -494,7 +454,7 @@ const SEEDS: &str = "seeds.json";
 
 /// Each recipe's validation loss over the seeds that finished, in the sweep's order (every
 /// recipe, also before any of its runs exists).
-fn over_seeds(members: &[Member], rows: &[RunSummary]) -> Result<Vec<SeedSummary>> {
+fn over_seeds(members: &[Member], rows: &[run::RunSummary]) -> Result<Vec<SeedSummary>> {
     let mut out: Vec<(SeedSummary, Vec<f64>)> = Vec::new();
     for member in members {
         let recipe = member.run.as_str();
@@ -515,7 +475,7 @@ fn over_seeds(members: &[Member], rows: &[RunSummary]) -> Result<Vec<SeedSummary
         }
         let at = out.len() - 1;
         let row = rows.iter().find(|r| r.recipe == member.name);
-        if let Some(RunSummary {
+        if let Some(run::RunSummary {
             seed: Some(seed),
             validation_loss: Some(loss),
             ..
