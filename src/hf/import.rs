@@ -18,8 +18,8 @@ use super::{
     write_file, write_safetensors,
 };
 use crate::recipe::{
-    CheckpointSection, DataSection, OptimizerSection, Recipe, Recompute, ScheduleSection,
-    TrainingSection,
+    CheckpointSection, DataSection, OptimizerSection, Precision, Recipe, Recompute,
+    ScheduleSection, TrainingSection,
 };
 use crate::run;
 use anyhow::{Context, Result, anyhow, bail};
@@ -206,7 +206,7 @@ fn recipe_of(
             micro_batch: 1,
             seed: 42,
             seeds: Vec::new(),
-            precision: dtype.precision(),
+            precision: precision(dtype),
             device: "cpu".into(),
             log_every: 10,
             init_from: Some(out.display().to_string()),
@@ -525,4 +525,13 @@ fn write_model(
 
 fn absolute(path: &Path) -> Result<PathBuf> {
     std::path::absolute(path).with_context(|| format!("resolving {}", path.display()))
+}
+
+/// How a run of weights in `dtype` fine-tunes: bf16 weights as mixed precision's compute dtype,
+/// over f32 masters that hold them exactly.
+fn precision(dtype: Dtype) -> Precision {
+    match dtype {
+        Dtype::F32 => Precision::F32,
+        Dtype::Bf16 => Precision::Bf16Mixed,
+    }
 }

@@ -501,15 +501,6 @@ impl Dtype {
         }
     }
 
-    /// How a run of weights in this dtype fine-tunes: bf16 weights as mixed precision's
-    /// compute dtype, over f32 masters that hold them exactly.
-    pub fn precision(self) -> crate::recipe::Precision {
-        match self {
-            Self::F32 => crate::recipe::Precision::F32,
-            Self::Bf16 => crate::recipe::Precision::Bf16Mixed,
-        }
-    }
-
     /// burn-pack's dtype.
     pub fn pack(self) -> burn::store::burn_pack::DType {
         match self {
