@@ -17,6 +17,9 @@ cd "$(dirname "$0")/.."
 new_tokens=${1:-64}
 repeats=${2:-60}
 reps=${REPS:-5}
+case $reps in
+    '' | *[!0-9]* | 0) echo "REPS=$reps: give a positive number of pairs" >&2; exit 2 ;;
+esac
 threads=${THREADS:-$(nproc)}
 diffzoo=${DIFFZOO:-}
 if [ -z "$diffzoo" ]; then
@@ -81,15 +84,17 @@ for name in short long; do
                 decode_vs_hf: ($o.decode / $t.decode_tokens_per_sec)
             }' | tee -a "$out"
     done
-    # bf16 / f32 decode speed of each pair; pairs where another process took more than a quarter
-    # of a core during either run (`generate`'s competing_cores) are counted, not left out.
+    # bf16 / f32 decode speed of each pair, and their median (the middle two's mean for an even
+    # count); pairs where either run warned of another process on the cores (`generate`'s
+    # `warnings`) are counted, not left out.
     jq -c -n --arg prompt "$name" --arg cpu "$cpu" \
         --slurpfile f32 "$work/$name-f32.jsonl" --slurpfile bf16 "$work/$name-bf16.jsonl" '
         [range($f32 | length) | {
             ratio: ($bf16[.].timings.decode_tokens_per_sec / $f32[.].timings.decode_tokens_per_sec),
-            contended: ([$f32[.], $bf16[.]] | any((.timings.competing_cores // 0) > 0.25))
-        }] as $pairs | ($pairs | map(.ratio) | sort) as $r | {
-            prompt: $prompt, cpu: $cpu, bf16_vs_f32_decode: ($r | .[length / 2 | floor]),
+            contended: ([$f32[.], $bf16[.]] | any(.warnings | length > 0))
+        }] as $pairs | ($pairs | map(.ratio) | sort) as $r | ($r | length) as $n | {
+            prompt: $prompt, cpu: $cpu,
+            bf16_vs_f32_decode: (($r[($n - 1) / 2 | floor] + $r[$n / 2 | floor]) / 2),
             bf16_vs_f32_range: [$r[0], $r[-1]], pairs: ($pairs | length),
             contended_pairs: ($pairs | map(select(.contended)) | length),
             ratios: ($pairs | map(.ratio))

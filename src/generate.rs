@@ -106,8 +106,8 @@ pub struct GenerateArgs {
     /// at every step: refused).
     #[arg(long, value_enum, default_value = "f32")]
     pub cache_dtype: CacheDtype,
-    /// Print one JSON object (each prompt's tokens, text and ending; the timings) instead of the
-    /// text.
+    /// Print one JSON object (each prompt's tokens, text and ending; the timings, and warnings
+    /// where other processes competed for the cores) instead of the text.
     #[arg(long)]
     pub json: bool,
 }
@@ -212,10 +212,11 @@ struct Timings {
     decode_tokens: usize,
     decode_seconds: f64,
     decode_tokens_per_sec: Option<f64>,
-    /// The one-minute load average before the first prefill (`None`: unknown).
+    /// The one-minute load average before the first timed prefill (after the model's load and
+    /// any `--warmup`; `None`: unknown).
     load_before: Option<f64>,
     /// Cores' worth of CPU time other processes took on this process's cores from the first
-    /// prefill to the last token ([`trust::LoadProbe`]; `None`: unknown).
+    /// timed prefill to the last token ([`trust::LoadProbe`]; `None`: unknown).
     competing_cores: Option<f64>,
 }
 

@@ -3,15 +3,17 @@
 //! while it ran, the load before the run, and the CPU it ran on.
 //!
 //! ```text
-//! spread width  = (max − min) / median                  of the repetitions' tokens/s
-//! competing     = (busy(cores) − own − children) / wall  in cores, over one measurement
+//! spread width  = (max − min) / median                                  of the repetitions' tokens/s
+//! competing     = (busy(cores) − own − children − 2·tick·cores) / wall    in cores, over one measurement
 //! ```
 //!
 //! `busy(cores)` is the non-idle time (`/proc/stat`: user, nice, system, irq, softirq and steal,
 //! steal being a hypervisor's other guests) of the cores this process may run on; `own` and
-//! `children` are this process's CPU time and its waited-for children's (`getrusage`). A figure
-//! measured while others took more than [`COMPETING`] cores, or whose repetitions spread wider than
-//! [`WIDE`], is flagged rather than reported as if it were precise.
+//! `children` are this process's CPU time and its waited-for children's (`getrusage`); the
+//! counters' resolution (two ticks a core) is taken off the difference, so that a run of a few
+//! tens of milliseconds is not flagged by rounding alone. A figure measured while others took
+//! more than [`COMPETING`] cores, or whose repetitions spread wider than [`WIDE`], is flagged
+//! rather than reported as if it were precise.
 
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -75,28 +77,35 @@ impl LoadProbe {
     pub fn start() -> Option<Self> {
         Some(Self {
             started: Instant::now(),
-            busy: busy_seconds()?,
+            busy: busy_now()?.0,
             own: own_seconds()?,
         })
     }
 
-    /// Cores' worth of CPU time other processes took since the start (0 when none: the
-    /// counters' ticks can make it slightly negative).
+    /// Cores' worth of CPU time other processes took since the start, less what the counters'
+    /// resolution could account for ([`TICKS_PER_CORE`] ticks on each core: over a measurement
+    /// of tens of milliseconds, a tick is a quarter of a core or more); 0 when none.
     pub fn competing_cores(&self) -> Option<f64> {
         let wall = self.started.elapsed().as_secs_f64();
-        let others = (busy_seconds()? - self.busy) - (own_seconds()? - self.own);
-        (wall > 0.0).then(|| (others / wall).max(0.0))
+        let (busy, resolution) = busy_now()?;
+        let others = (busy - self.busy) - (own_seconds()? - self.own);
+        (wall > 0.0).then(|| ((others - resolution) / wall).max(0.0))
     }
 }
 
-/// Non-idle seconds of the cores this process may run on, from `/proc/stat`.
-fn busy_seconds() -> Option<f64> {
+/// Ticks a core's non-idle time, as `/proc/stat` counts it, may be off by between two reads:
+/// user and system time each counted in whole ticks.
+const TICKS_PER_CORE: f64 = 2.0;
+
+/// Non-idle seconds of the cores this process may run on, from `/proc/stat`, and the
+/// resolution of their difference between two reads ([`TICKS_PER_CORE`] on each of them).
+fn busy_now() -> Option<(f64, f64)> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let mine = allowed_cores();
     // SAFETY: sysconf has no preconditions.
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     let ticks = if ticks > 0 { ticks as f64 } else { 100.0 };
-    let busy: u64 = stat
+    let cores: Vec<u64> = stat
         .lines()
         .filter_map(|line| {
             let mut fields = line.split_whitespace();
@@ -108,8 +117,12 @@ fn busy_seconds() -> Option<f64> {
             // user nice system idle iowait irq softirq steal: all but idle and iowait.
             (v.len() >= 8).then(|| v[0] + v[1] + v[2] + v[5] + v[6] + v[7])
         })
-        .sum();
-    Some(busy as f64 / ticks)
+        .collect();
+    let busy: u64 = cores.iter().sum();
+    Some((
+        busy as f64 / ticks,
+        TICKS_PER_CORE * cores.len() as f64 / ticks,
+    ))
 }
 
 /// The cores this process may run on (`None`: unknown, count them all).

@@ -149,7 +149,23 @@ fn generation_limits_stops_and_batches(run: &Path) {
         "--json",
     ]))
     .unwrap();
+    let text = common::diffzoo(&[
+        "generate",
+        "--run",
+        path(run),
+        "--prompt",
+        "ROMEO:",
+        "--max-tokens",
+        "300",
+        "--sliding-window",
+        "--ignore-eot",
+    ]);
     drop(spinners);
+    let stderr = String::from_utf8_lossy(&text.stderr);
+    assert!(
+        stderr.contains("warning: generation: other processes took"),
+        "{stderr}"
+    );
     let competing = out["timings"]["competing_cores"].as_f64().unwrap();
     assert!(competing > 0.25, "{}", out["timings"]);
     let warnings = out["warnings"].as_array().unwrap();
@@ -178,14 +194,14 @@ fn generation_limits_stops_and_batches(run: &Path) {
     );
 }
 
-/// Shells spinning on the CPU until dropped.
+/// Shells spinning on the CPU until dropped (or for ten minutes, should the tests be killed).
 struct Spinners(Vec<std::process::Child>);
 
 impl Spinners {
     fn start(count: usize) -> Self {
         let spin = || {
-            std::process::Command::new("sh")
-                .args(["-c", "while :; do :; done"])
+            std::process::Command::new("timeout")
+                .args(["600", "sh", "-c", "while :; do :; done"])
                 .spawn()
                 .unwrap()
         };
@@ -195,8 +211,11 @@ impl Spinners {
 
 impl Drop for Spinners {
     fn drop(&mut self) {
+        // SIGTERM, which `timeout` passes on to its shell (a SIGKILL would orphan the shell).
         for child in &mut self.0 {
-            let _ = child.kill();
+            let _ = std::process::Command::new("sh")
+                .args(["-c", &format!("kill {}", child.id())])
+                .status();
             let _ = child.wait();
         }
     }
@@ -3080,14 +3099,10 @@ fn bench_flags_a_process_competing_for_the_cores() {
         "--attention",
         "transformer",
     ];
-    let mut spinner = std::process::Command::new("sh")
-        .args(["-c", "while :; do :; done"])
-        .spawn()
-        .unwrap();
+    let spinner = Spinners::start(1);
     let report = json(&[&["bench", "--device", "flex", "--json"], &shape[..]].concat());
     let table = ok(&[&["bench", "--device", "flex"], &shape[..]].concat());
-    spinner.kill().unwrap();
-    spinner.wait().unwrap();
+    drop(spinner);
     let row = &report["rows"][0];
     let competing = row["competing_cores"].as_f64().unwrap();
     assert!(
