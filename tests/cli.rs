@@ -135,31 +135,20 @@ fn generation_limits_stops_and_batches(run: &Path) {
         assert!(err.contains(&format!("{flag} {value}")), "{err}");
     }
     // Timings flag a generation beside other busy processes: two shells spinning on the cores.
+    let long = [
+        "generate",
+        "--run",
+        path(run),
+        "--prompt",
+        "ROMEO:",
+        "--max-tokens",
+        "300",
+        "--sliding-window",
+        "--ignore-eot",
+    ];
     let spinners = Spinners::start(2);
-    let out: Value = serde_json::from_str(&ok(&[
-        "generate",
-        "--run",
-        path(run),
-        "--prompt",
-        "ROMEO:",
-        "--max-tokens",
-        "300",
-        "--sliding-window",
-        "--ignore-eot",
-        "--json",
-    ]))
-    .unwrap();
-    let text = common::diffzoo(&[
-        "generate",
-        "--run",
-        path(run),
-        "--prompt",
-        "ROMEO:",
-        "--max-tokens",
-        "300",
-        "--sliding-window",
-        "--ignore-eot",
-    ]);
+    let out: Value = serde_json::from_str(&ok(&[&long[..], &["--json"]].concat())).unwrap();
+    let text = common::diffzoo(&long);
     drop(spinners);
     let stderr = String::from_utf8_lossy(&text.stderr);
     assert!(
