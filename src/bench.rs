@@ -187,7 +187,7 @@ impl Shape {
                 qkv_bias: false,
             });
         }
-        let model = if Path::new(spec).join(crate::run::RECIPE).is_file() {
+        let model = if Path::new(spec).join(crate::layout::RECIPE).is_file() {
             crate::run::run_recipe(Path::new(spec))
                 .with_context(|| format!("--size `{spec}`"))?
                 .model
@@ -448,27 +448,7 @@ fn threads() -> usize {
 }
 
 pub fn run(args: &BenchArgs) -> Result<()> {
-    if args.reps == 0 || args.seq == 0 || args.batch == 0 {
-        bail!("--reps, --seq and --batch must be at least 1");
-    }
-    let shape = Shape::parse(&args.size, args.vocab, args.kv_heads)?;
-    for &attention in &args.attention {
-        shape.config(attention, args.seq, args.implementation())?;
-    }
-    if args.profile {
-        if args.recompute() == Recompute::Block {
-            bail!("--profile times the step without recomputation: drop --recompute block");
-        }
-        if let Some(spec) = args
-            .devices
-            .iter()
-            .find(|d| torch_device(d).as_deref() != Some("cpu"))
-        {
-            bail!(
-                "--profile times each operation where it is called, which only CPU devices do: `{spec}` queues them"
-            );
-        }
-    }
+    let shape = checked_shape(args)?;
     if args.child {
         return child(args, &shape);
     }
@@ -489,36 +469,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         true => Some(measure_roofline(args)?),
         false => None,
     };
-    let mut torch = Vec::new();
-    if args.torch {
-        let mut devices: Vec<String> = args
-            .devices
-            .iter()
-            .filter_map(|d| torch_device(d))
-            .collect();
-        devices.sort();
-        devices.dedup();
-        for device in devices {
-            eprintln!("bench: PyTorch on {device}");
-            let probe = LoadProbe::start();
-            let mut run = run_torch(args, &shape, &device)?;
-            run.competing_cores = probe.and_then(|p| p.competing_cores());
-            for theirs in &run.results {
-                let kind: AttentionKind = theirs.attention.parse().map_err(|e| anyhow!("{e}"))?;
-                let ours = shape
-                    .config(kind, args.seq, AttentionImpl::Explicit)?
-                    .param_count()
-                    .total;
-                if theirs.params != ours {
-                    bail!(
-                        "PyTorch's {kind} model has {} parameters, ours {ours}: not the same model",
-                        theirs.params
-                    );
-                }
-            }
-            torch.push((device, run));
-        }
-    }
+    let torch = match args.torch {
+        true => measure_torch(args, &shape)?,
+        false => Vec::new(),
+    };
     let mut measured = Vec::new();
     for spec in &args.devices {
         for &attention in &args.attention {
@@ -587,6 +541,68 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The shape to measure, once what can be refused before measuring is not there: counts of
+/// zero, a variant the shape cannot build, `--profile` with recomputation or on a device that
+/// queues its operations.
+fn checked_shape(args: &BenchArgs) -> Result<Shape> {
+    if args.reps == 0 || args.seq == 0 || args.batch == 0 {
+        bail!("--reps, --seq and --batch must be at least 1");
+    }
+    let shape = Shape::parse(&args.size, args.vocab, args.kv_heads)?;
+    for &attention in &args.attention {
+        shape.config(attention, args.seq, args.implementation())?;
+    }
+    if args.profile {
+        if args.recompute() == Recompute::Block {
+            bail!("--profile times the step without recomputation: drop --recompute block");
+        }
+        if let Some(spec) = args
+            .devices
+            .iter()
+            .find(|d| torch_device(d).as_deref() != Some("cpu"))
+        {
+            bail!(
+                "--profile times each operation where it is called, which only CPU devices do: `{spec}` queues them"
+            );
+        }
+    }
+    Ok(shape)
+}
+
+/// PyTorch's runs on each device kind of `--device` once, each with what competed for the cores
+/// during it; an error where its model's parameters are not ours.
+fn measure_torch(args: &BenchArgs, shape: &Shape) -> Result<Vec<(String, TorchRun)>> {
+    let mut devices: Vec<String> = args
+        .devices
+        .iter()
+        .filter_map(|d| torch_device(d))
+        .collect();
+    devices.sort();
+    devices.dedup();
+    let mut torch = Vec::new();
+    for device in devices {
+        eprintln!("bench: PyTorch on {device}");
+        let probe = LoadProbe::start();
+        let mut run = run_torch(args, shape, &device)?;
+        run.competing_cores = probe.and_then(|p| p.competing_cores());
+        for theirs in &run.results {
+            let kind: AttentionKind = theirs.attention.parse().map_err(|e| anyhow!("{e}"))?;
+            let ours = shape
+                .config(kind, args.seq, AttentionImpl::Explicit)?
+                .param_count()
+                .total;
+            if theirs.params != ours {
+                bail!(
+                    "PyTorch's {kind} model has {} parameters, ours {ours}: not the same model",
+                    theirs.params
+                );
+            }
+        }
+        torch.push((device, run));
+    }
+    Ok(torch)
 }
 
 /// The machine's limits on the first device ([`roofline`]), PyTorch's products with `--torch`.

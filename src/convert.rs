@@ -12,6 +12,7 @@
 //! `--out`.
 
 use crate::device;
+use crate::layout;
 use crate::recipe::Recipe;
 use crate::run;
 use anyhow::{Context, Result, anyhow, bail};
@@ -53,7 +54,7 @@ pub fn run(args: &ConvertArgs) -> Result<()> {
     let source = run::run_recipe(&args.run)?;
     let source_config = source.model_config();
     convert::converted_config(&source_config, args.to)
-        .map_err(|e| anyhow!("{}: {e}", args.run.join(run::RECIPE).display()))?;
+        .map_err(|e| anyhow!("{}: {e}", args.run.join(layout::RECIPE).display()))?;
     let staging = crate::hf::staging(&args.out)?;
     let result = write(args, &source, options, &staging);
     if result.is_err() {
@@ -77,7 +78,7 @@ pub fn run(args: &ConvertArgs) -> Result<()> {
         args.to,
         options.init.name(),
         args.out.display(),
-        args.out.join(run::RECIPE).display(),
+        args.out.join(layout::RECIPE).display(),
     );
     Ok(())
 }
@@ -164,13 +165,13 @@ fn write(args: &ConvertArgs, source: &Recipe, options: Options, staging: &Path) 
     let out = std::path::absolute(&args.out)
         .with_context(|| format!("resolving {}", args.out.display()))?;
     let recipe = recipe_of(args, source, &out, options)?;
-    crate::hf::write_file(&staging.join(run::RECIPE), recipe.to_toml())?;
-    let tokenizer = args.run.join(run::TOKENIZER);
+    crate::hf::write_file(&staging.join(layout::RECIPE), recipe.to_toml())?;
+    let tokenizer = args.run.join(layout::TOKENIZER);
     if tokenizer.is_file() {
-        std::fs::copy(&tokenizer, staging.join(run::TOKENIZER))
+        std::fs::copy(&tokenizer, staging.join(layout::TOKENIZER))
             .with_context(|| format!("copying {}", tokenizer.display()))?;
     }
-    let companions = run::copy_companions(&args.run, staging)?;
+    let companions = layout::copy_companions(&args.run, staging)?;
     // V2 with copies is the source; with a warm-up, perturbed or not, it is at the warm-up's
     // start (the second heads are multiplied by 0 there).
     let exact = args.to == AttentionKind::DiffV2 && (options.init == Init::Copy || options.warmup);
@@ -218,9 +219,9 @@ fn recipe_of(args: &ConvertArgs, source: &Recipe, out: &Path, options: Options) 
             .is_some_and(|a| b.canonicalize().ok() == Some(a))
     };
     if let Some(tokenizer) = &mut recipe.data.tokenizer
-        && same(Path::new(tokenizer.as_str()), &from.join(run::TOKENIZER))
+        && same(Path::new(tokenizer.as_str()), &from.join(layout::TOKENIZER))
     {
-        *tokenizer = out.join(run::TOKENIZER).display().to_string();
+        *tokenizer = out.join(layout::TOKENIZER).display().to_string();
     }
     recipe.training.init_from = Some(out.display().to_string());
     recipe.training.lambda_warmup = args.warmup;

@@ -4,6 +4,7 @@
 //! `diffzoo data verify`: shards checked against their manifest.
 
 use crate::chat::{self, Template};
+use crate::layout;
 use crate::run;
 use crate::slurm::{self, After, Job, SlurmArgs};
 use anyhow::{Context, Result, bail};
@@ -208,18 +209,18 @@ fn prepare_conversations(
     let run_dir = template_path.is_dir().then_some(template_path);
     let tokenizer = match (&args.tokenizer, run_dir) {
         (Some(path), _) => TextTokenizer::from_file(path)?,
-        (None, Some(dir)) if dir.join(run::TOKENIZER).is_file() => {
-            TextTokenizer::from_file(&dir.join(run::TOKENIZER))?
+        (None, Some(dir)) if dir.join(layout::TOKENIZER).is_file() => {
+            TextTokenizer::from_file(&dir.join(layout::TOKENIZER))?
         }
         (None, _) => bail!(
             "--template {} holds no {}: give --tokenizer FILE",
             template_path.display(),
-            run::TOKENIZER
+            layout::TOKENIZER
         ),
     };
     let context = match (args.context, run_dir) {
         (Some(n), _) => Some(n),
-        (None, Some(dir)) if dir.join(run::RECIPE).is_file() => {
+        (None, Some(dir)) if dir.join(layout::RECIPE).is_file() => {
             Some(run::run_recipe(dir)?.model_config().max_seq_len)
         }
         _ => None,
@@ -287,11 +288,11 @@ fn prepare_conversations(
     // tokens of a tokenizer_config.json beside a template file) and the end-of-turn ids.
     match run_dir {
         Some(dir) => {
-            run::copy_companions(dir, &args.out)?;
+            layout::copy_companions(dir, &args.out)?;
         }
         None => {
             if let Some(dir) = template_path.parent() {
-                run::copy_companions(dir, &args.out)?;
+                layout::copy_companions(dir, &args.out)?;
             }
             std::fs::copy(template_path, args.out.join(chat::TEMPLATE_FILE)).with_context(
                 || {
@@ -495,33 +496,8 @@ fn print_skipped(skipped: &[diffzoo_datasets::Skip]) {
 
 /// `--slurm N`: the tokenizer job (when one is trained), an array of N parts, the merge.
 fn slurm_jobs(args: &PrepareArgs, count: usize) -> Result<()> {
-    if count == 0 {
-        bail!("--slurm 0: expected the number of parts (at least 1)");
-    }
-    let (files, _) = input::resolve(&args.inputs)?;
-    // Checks the partition and the output now rather than in N failed tasks.
-    parts::select(files, Vec::new(), 0, count)?;
-    if merge_of_parts(&args.out)? == Some(false) {
-        bail!(
-            "{}: a shard directory of its own; parts go into a directory of parts (choose another --out)",
-            args.out.display()
-        );
-    }
-    if !args.overwrite
-        && let Some(index) = (0..count).find(|&i| part_dir(&args.out, i).exists())
-    {
-        bail!(
-            "{}: already exists (pass --overwrite to prepare the parts again)",
-            part_dir(&args.out, index).display()
-        );
-    }
+    check_parts(args, count)?;
     let exe = slurm::executable()?;
-    let absolute = |p: &Path| -> Result<String> {
-        Ok(std::path::absolute(p)
-            .with_context(|| format!("resolving {}", p.display()))?
-            .display()
-            .to_string())
-    };
     let out = absolute(&args.out)?;
     let inputs = args
         .inputs
@@ -533,82 +509,15 @@ fn slurm_jobs(args: &PrepareArgs, count: usize) -> Result<()> {
         (Some(path), _) => absolute(path)?,
         (None, Some(vocab)) => {
             let path = format!("{out}/tokenizer-bpe-{vocab}.json");
-            let mut words = vec![
-                exe.clone(),
-                "data".into(),
-                "tokenizer".into(),
-                "--input".into(),
-            ];
-            words.extend(inputs.iter().cloned());
-            words.extend([
-                "--vocab-size".into(),
-                vocab.to_string(),
-                "--tokenizer-sample-bytes".into(),
-                args.tokenizer_sample_bytes.to_string(),
-                "--text-field".into(),
-                args.text_field.clone(),
-                "--out".into(),
-                path.clone(),
-            ]);
-            jobs.push(Job {
-                name: "tokenizer".into(),
-                about: vec![format!(
-                    "Trains the byte-level BPE of {vocab} tokens once, before the parts."
-                )],
-                options: vec![format!("--cpus-per-task={}", args.cpus_per_task)],
-                array: None,
-                setup: Vec::new(),
-                command: slurm::command_line(&words),
-                resumable: false,
-                after: None,
-            });
+            jobs.push(tokenizer_job(args, &exe, &inputs, vocab, &path));
             path
         }
         (None, None) => bail!("give --tokenizer FILE or --vocab-size N"),
     };
-    let mut words = vec![
-        exe.clone(),
-        "data".into(),
-        "prepare".into(),
-        "--input".into(),
-    ];
-    words.extend(inputs.iter().cloned());
-    words.extend([
-        "--tokenizer".into(),
-        tokenizer,
-        "--out".into(),
-        out.clone(),
-        "--text-field".into(),
-        args.text_field.clone(),
-        "--validation-every".into(),
-        args.validation_every.to_string(),
-        "--shard-tokens".into(),
-        args.shard_tokens.to_string(),
-        // A requeued task starts its part again.
-        "--overwrite".into(),
-    ]);
-    if let Some(dtype) = &args.dtype {
-        words.extend(["--dtype".into(), dtype.clone()]);
-    }
-    let prepare = format!(
-        "{} --part \"${{SLURM_ARRAY_TASK_ID}}/{count}\"",
-        slurm::command_line(&words)
-    );
     let after_tokenizer = (!jobs.is_empty()).then_some(After::Ok(0));
     jobs.push(Job {
-        name: "prepare".into(),
-        about: vec![
-            format!(
-                "Prepares part $SLURM_ARRAY_TASK_ID of {count} of the inputs into {out}/part-I"
-            ),
-            "(contiguous runs of the input files of about equal size).".into(),
-        ],
-        options: vec![format!("--cpus-per-task={}", args.cpus_per_task)],
-        array: Some(count),
-        setup: Vec::new(),
-        command: prepare,
-        resumable: false,
         after: after_tokenizer,
+        ..prepare_job(args, count, &exe, &inputs, tokenizer, &out)
     });
     let parts_job = jobs.len() - 1;
     jobs.push(Job {
@@ -630,4 +539,131 @@ fn slurm_jobs(args: &PrepareArgs, count: usize) -> Result<()> {
     }
     .write_and_submit(&args.slurm_args, &common)?;
     Ok(())
+}
+
+/// What `--slurm N` can check before submitting, rather than in N failed tasks: the count, the
+/// inputs and their partition, and that `--out` is a directory of parts not yet prepared (or
+/// `--overwrite`).
+fn check_parts(args: &PrepareArgs, count: usize) -> Result<()> {
+    if count == 0 {
+        bail!("--slurm 0: expected the number of parts (at least 1)");
+    }
+    let (files, _) = input::resolve(&args.inputs)?;
+    parts::select(files, Vec::new(), 0, count)?;
+    if merge_of_parts(&args.out)? == Some(false) {
+        bail!(
+            "{}: a shard directory of its own; parts go into a directory of parts (choose another --out)",
+            args.out.display()
+        );
+    }
+    if !args.overwrite
+        && let Some(index) = (0..count).find(|&i| part_dir(&args.out, i).exists())
+    {
+        bail!(
+            "{}: already exists (pass --overwrite to prepare the parts again)",
+            part_dir(&args.out, index).display()
+        );
+    }
+    Ok(())
+}
+
+/// `p` made absolute, as the jobs' commands name it.
+fn absolute(p: &Path) -> Result<String> {
+    Ok(std::path::absolute(p)
+        .with_context(|| format!("resolving {}", p.display()))?
+        .display()
+        .to_string())
+}
+
+/// The job that trains the byte-level BPE of `vocab` tokens on `inputs` into `path`, once.
+fn tokenizer_job(
+    args: &PrepareArgs,
+    exe: &str,
+    inputs: &[String],
+    vocab: usize,
+    path: &str,
+) -> Job {
+    let mut words = vec![
+        exe.to_string(),
+        "data".into(),
+        "tokenizer".into(),
+        "--input".into(),
+    ];
+    words.extend(inputs.iter().cloned());
+    words.extend([
+        "--vocab-size".into(),
+        vocab.to_string(),
+        "--tokenizer-sample-bytes".into(),
+        args.tokenizer_sample_bytes.to_string(),
+        "--text-field".into(),
+        args.text_field.clone(),
+        "--out".into(),
+        path.to_string(),
+    ]);
+    Job {
+        name: "tokenizer".into(),
+        about: vec![format!(
+            "Trains the byte-level BPE of {vocab} tokens once, before the parts."
+        )],
+        options: vec![format!("--cpus-per-task={}", args.cpus_per_task)],
+        array: None,
+        setup: Vec::new(),
+        command: slurm::command_line(&words),
+        resumable: false,
+        after: None,
+    }
+}
+
+/// The array of `count` tasks, each preparing its part of `inputs` with `tokenizer` into
+/// `out/part-I` (after nothing: the caller says after what).
+fn prepare_job(
+    args: &PrepareArgs,
+    count: usize,
+    exe: &str,
+    inputs: &[String],
+    tokenizer: String,
+    out: &str,
+) -> Job {
+    let mut words = vec![
+        exe.to_string(),
+        "data".into(),
+        "prepare".into(),
+        "--input".into(),
+    ];
+    words.extend(inputs.iter().cloned());
+    words.extend([
+        "--tokenizer".into(),
+        tokenizer,
+        "--out".into(),
+        out.to_string(),
+        "--text-field".into(),
+        args.text_field.clone(),
+        "--validation-every".into(),
+        args.validation_every.to_string(),
+        "--shard-tokens".into(),
+        args.shard_tokens.to_string(),
+        // A requeued task starts its part again.
+        "--overwrite".into(),
+    ]);
+    if let Some(dtype) = &args.dtype {
+        words.extend(["--dtype".into(), dtype.clone()]);
+    }
+    Job {
+        name: "prepare".into(),
+        about: vec![
+            format!(
+                "Prepares part $SLURM_ARRAY_TASK_ID of {count} of the inputs into {out}/part-I"
+            ),
+            "(contiguous runs of the input files of about equal size).".into(),
+        ],
+        options: vec![format!("--cpus-per-task={}", args.cpus_per_task)],
+        array: Some(count),
+        setup: Vec::new(),
+        command: format!(
+            "{} --part \"${{SLURM_ARRAY_TASK_ID}}/{count}\"",
+            slurm::command_line(&words)
+        ),
+        resumable: false,
+        after: None,
+    }
 }

@@ -251,6 +251,66 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         None => prompt_texts(args)?,
     };
     let context = recipe.model_config().max_seq_len;
+    let mut rows = rows(args, &texts, &tokenizer, context)?;
+    let (model, weights, device, dtype) =
+        run::load_model_on(&args.run, &recipe, &args.device, args.dtype)?;
+    let cache_dtype = args.cache_dtype.resolve(&model)?;
+    // As the decoder will make it.
+    let cache = CacheDtype::of(&empty_cache(&model, cache_dtype));
+    let stream_one = !args.json && rows.len() == 1;
+    if stream_one {
+        eprintln!("({weights}; weights in {dtype}; KV cache in {cache})");
+        print!("{}", texts[0]);
+    }
+    let decoding = (&model, &device, cache_dtype);
+    let timings = generate_timed(
+        args, decoding, &tokenizer, &ends, &mut rows, stream_one, context,
+    )?;
+    let generations = finish(args, rows, texts, stream_one);
+    // Only what competed during the generation: a load average before it still counts the
+    // last minute's runs, one's own back-to-back generations included.
+    let warnings = trust::warnings(
+        None,
+        &[trust::Figure {
+            what: "generation".into(),
+            spread: None,
+            competing: timings.competing_cores,
+        }],
+    );
+    if args.json {
+        let out = Output {
+            weights: weights.to_string(),
+            dtype,
+            cache_dtype: cache,
+            generations,
+            timings,
+            warnings,
+        };
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        let show = |r: Option<f64>| r.map_or("-".to_string(), |r| format!("{r:.1}"));
+        eprintln!(
+            "({} prompt(s); prefill {} tokens/s, decode {} tokens/s)",
+            generations.len(),
+            show(timings.prefill_tokens_per_sec),
+            show(timings.decode_tokens_per_sec)
+        );
+        for warning in &warnings {
+            eprintln!("warning: {warning}");
+        }
+    }
+    Ok(())
+}
+
+/// A row to generate for each prompt text (an empty one: end-of-text alone), refused where the
+/// prompt and `--max-tokens` exceed the model's `context` without `--sliding-window`, which
+/// takes one prompt.
+fn rows(
+    args: &GenerateArgs,
+    texts: &[String],
+    tokenizer: &TextTokenizer,
+    context: usize,
+) -> Result<Vec<Row>> {
     let eot = tokenizer.eot_id();
     let mut rows = Vec::with_capacity(texts.len());
     for (i, text) in texts.iter().enumerate() {
@@ -287,36 +347,36 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             rows.len()
         );
     }
-    let (model, weights, device, dtype) =
-        run::load_model_on(&args.run, &recipe, &args.device, args.dtype)?;
-    let cache_dtype = args.cache_dtype.resolve(&model)?;
-    // As the decoder will make it.
-    let cache = CacheDtype::of(&empty_cache(&model, cache_dtype));
-    let stream_one = !args.json && rows.len() == 1;
-    if stream_one {
-        eprintln!("({weights}; weights in {dtype}; KV cache in {cache})");
-        print!("{}", texts[0]);
-    }
+    Ok(rows)
+}
+
+/// `--warmup` prefills of the first prompt, then every row generated in batches of
+/// `--batch-size`, timed, with the machine's load before and what competed during (prompts
+/// counted up to the model's `context`).
+fn generate_timed(
+    args: &GenerateArgs,
+    decoding: (&Model, &Device, Option<FloatDType>),
+    tokenizer: &TextTokenizer,
+    ends: &Ends,
+    rows: &mut [Row],
+    stream_one: bool,
+    context: usize,
+) -> Result<Timings> {
+    let (model, device, cache_dtype) = decoding;
     for _ in 0..args.warmup {
-        Decoder::prefill(
-            &model,
-            &device,
-            cache_dtype,
-            &[rows[0].prompt.as_slice()],
-            eot,
-        )?;
+        let prompt = rows[0].prompt.as_slice();
+        Decoder::prefill(model, device, cache_dtype, &[prompt], tokenizer.eot_id())?;
     }
     let (load_before, probe) = (trust::load_average(), trust::LoadProbe::start());
     let (mut prefill_seconds, mut decode_seconds, mut decode_tokens) = (0.0, 0.0, 0);
     for batch in rows.chunks_mut(args.batch_size) {
-        let decoding = (&model, &device, cache_dtype);
-        let timed = generate_batch(args, decoding, &tokenizer, &ends, batch, stream_one)?;
+        let timed = generate_batch(args, decoding, tokenizer, ends, batch, stream_one)?;
         prefill_seconds += timed.0;
         decode_seconds += timed.1;
         decode_tokens += timed.2 * batch.len();
     }
     let prompt_tokens = rows.iter().map(|r| r.prompt.len().min(context)).sum();
-    let timings = Timings {
+    Ok(Timings {
         prompt_tokens,
         prefill_seconds,
         prefill_tokens_per_sec: rate(prompt_tokens, prefill_seconds),
@@ -325,19 +385,18 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         decode_tokens_per_sec: rate(decode_tokens, decode_seconds),
         load_before,
         competing_cores: probe.and_then(|p| p.competing_cores()),
-    };
-    // Only what competed during the generation: a load average before it still counts the
-    // last minute's runs, one's own back-to-back generations included.
-    let warnings = trust::warnings(
-        None,
-        &[trust::Figure {
-            what: "generation".into(),
-            spread: None,
-            competing: timings.competing_cores,
-        }],
-    );
-    let generations: Vec<Generation> = rows
-        .into_iter()
+    })
+}
+
+/// Each row's generation beside its prompt text, the completion printed: the rest of a streamed
+/// one, or each whole in text mode.
+fn finish(
+    args: &GenerateArgs,
+    rows: Vec<Row>,
+    texts: Vec<String>,
+    stream_one: bool,
+) -> Vec<Generation> {
+    rows.into_iter()
         .zip(texts)
         .map(|(row, prompt)| {
             if stream_one {
@@ -357,30 +416,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
                 stopped: row.stopped.unwrap_or(Ending::MaxTokens),
             }
         })
-        .collect();
-    if args.json {
-        let out = Output {
-            weights: weights.to_string(),
-            dtype,
-            cache_dtype: cache,
-            generations,
-            timings,
-            warnings,
-        };
-        println!("{}", serde_json::to_string_pretty(&out)?);
-    } else {
-        let show = |r: Option<f64>| r.map_or("-".to_string(), |r| format!("{r:.1}"));
-        eprintln!(
-            "({} prompt(s); prefill {} tokens/s, decode {} tokens/s)",
-            generations.len(),
-            show(timings.prefill_tokens_per_sec),
-            show(timings.decode_tokens_per_sec)
-        );
-        for warning in &warnings {
-            eprintln!("warning: {warning}");
-        }
-    }
-    Ok(())
+        .collect()
 }
 
 /// Generates for one batch of rows: its prefill and decoding seconds and the decoding steps.

@@ -18,6 +18,7 @@ mod device;
 mod eval;
 mod generate;
 mod hf;
+mod layout;
 mod plan;
 mod plot;
 mod recipe;

@@ -9,6 +9,7 @@
 //! directory; `--recipe PATH` reads a file.
 
 use crate::hf::Architecture;
+use crate::layout;
 use anyhow::{Context, Result, anyhow, bail};
 use burn::tensor::FloatDType;
 use diffzoo_models::{
@@ -477,7 +478,7 @@ fn names_a_file(key: &str, value: &str) -> bool {
 fn rebase_paths(table: &mut toml::Table, file: &Path) {
     let dir = file.parent().unwrap_or(Path::new(""));
     let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("recipes");
-    if dir.join(crate::run::CHECKPOINTS).is_dir()
+    if dir.join(layout::CHECKPOINTS).is_dir()
         || file
             .canonicalize()
             .is_ok_and(|f| shipped.canonicalize().is_ok_and(|s| f.starts_with(s)))
@@ -1276,7 +1277,7 @@ fn model_of_init(table: &mut toml::Table) -> Result<Vec<String>> {
     let (false, Some(init)) = (own.is_some_and(|m| m.contains_key("attention")), init) else {
         return Ok(Vec::new());
     };
-    let path = Path::new(&init).join(crate::run::RECIPE);
+    let path = Path::new(&init).join(layout::RECIPE);
     if !path.is_file() {
         bail!(
             "the recipe has no [model], so it takes that of `training.init_from` = {init:?}, which is no run directory (no {})",
@@ -1332,7 +1333,7 @@ fn inherit_unset(table: &mut toml::Table, init: &Recipe, dir: &Path) -> Result<V
             .get("corpus")
             .and_then(toml::Value::as_str)
             .is_some_and(|c| c == diffzoo_datasets::corpus::EMBEDDED);
-        let own = dir.join(crate::run::TOKENIZER);
+        let own = dir.join(layout::TOKENIZER);
         let tokenizer = match &init.data.tokenizer {
             Some(tokenizer) => Some(tokenizer.clone()),
             None => own.is_file().then(|| {
@@ -1353,8 +1354,8 @@ fn inherit_unset(table: &mut toml::Table, init: &Recipe, dir: &Path) -> Result<V
     if let (Some(mut training), Some(n)) =
         (section(table, "training"), init.training.warmup_steps())
     {
-        let step = crate::run::find_weights(dir)
-            .and_then(|w| crate::run::weights_step(dir, init, &w))
+        let step = layout::find_weights(dir)
+            .and_then(|w| layout::weights_step(dir, &w, init.total_steps()))
             .ok();
         match step {
             _ if training.contains_key("lambda_warmup") => {}
@@ -1607,7 +1608,7 @@ mod tests {
         assert_eq!(needs.keys, ["training.init_from", "data.corpus"]);
         let run = tempfile::tempdir().unwrap();
         let tiny = resolve("tiny", &[]).unwrap().recipe;
-        std::fs::write(run.path().join(crate::run::RECIPE), tiny.to_toml()).unwrap();
+        std::fs::write(run.path().join(layout::RECIPE), tiny.to_toml()).unwrap();
         let set = |extra: &[&str]| {
             let mut all = vec![
                 format!("training.init_from={:?}", run.path().display().to_string()),
@@ -1637,8 +1638,8 @@ mod tests {
         // wrote, is at step 0), unless the recipe sets its own or declines it with 0 …
         let mut converted = tiny.clone();
         converted.training.lambda_warmup = Some(30);
-        std::fs::write(run.path().join(crate::run::RECIPE), converted.to_toml()).unwrap();
-        std::fs::write(run.path().join(crate::run::FINAL_MODEL), b"").unwrap();
+        std::fs::write(run.path().join(layout::RECIPE), converted.to_toml()).unwrap();
+        std::fs::write(run.path().join(layout::FINAL_MODEL), b"").unwrap();
         let r = retrofit(&[]);
         assert_eq!(r.recipe.training.lambda_warmup, Some(30));
         assert!(
@@ -1651,14 +1652,14 @@ mod tests {
         let none = retrofit(&["training.lambda_warmup=0".into()]);
         assert_eq!(none.recipe.training.warmup_steps(), None);
         // … and not once the run's weights are past it (a finished run of 240 steps).
-        crate::run::RunEnd::new("finished", None)
+        layout::RunEnd::new("finished", None)
             .write(run.path())
             .unwrap();
         assert_eq!(retrofit(&[]).recipe.training.lambda_warmup, None);
         // Weights part-way through one (step 240 of 300) would restart it at scale 0: refused
         // unless the recipe sets its own.
         converted.training.lambda_warmup = Some(300);
-        std::fs::write(run.path().join(crate::run::RECIPE), converted.to_toml()).unwrap();
+        std::fs::write(run.path().join(layout::RECIPE), converted.to_toml()).unwrap();
         let init = format!("training.init_from={:?}", run.path().display().to_string());
         let err = format!(
             "{:#}",
@@ -1671,19 +1672,19 @@ mod tests {
         );
         let none = retrofit(&["training.lambda_warmup=0".into()]);
         assert_eq!(none.recipe.training.warmup_steps(), None);
-        std::fs::remove_file(run.path().join(crate::run::FINAL_MODEL)).unwrap();
+        std::fs::remove_file(run.path().join(layout::FINAL_MODEL)).unwrap();
         // A run trained on shards (no `data.tokenizer`) lends its own tokenizer.json.
         let mut sharded = tiny.clone();
         sharded.data.corpus = "shards".into();
         sharded.data.tokenizer = None;
-        std::fs::write(run.path().join(crate::run::RECIPE), sharded.to_toml()).unwrap();
-        let own = run.path().join(crate::run::TOKENIZER);
+        std::fs::write(run.path().join(layout::RECIPE), sharded.to_toml()).unwrap();
+        let own = run.path().join(layout::TOKENIZER);
         std::fs::write(&own, b"{}").unwrap();
         let r = retrofit(&[]);
         let want = std::path::absolute(&own).unwrap().display().to_string();
         assert_eq!(r.recipe.data.tokenizer.as_deref(), Some(want.as_str()));
         std::fs::remove_file(&own).unwrap();
-        std::fs::write(run.path().join(crate::run::RECIPE), tiny.to_toml()).unwrap();
+        std::fs::write(run.path().join(layout::RECIPE), tiny.to_toml()).unwrap();
         // A model key given adjusts the inherited model; the rest stays the run's.
         let flash = resolve("sft", &set(&["model.attention_impl=\"flash\""])).unwrap();
         assert_eq!(flash.recipe.model.attention_impl, AttentionChoice::Flash);

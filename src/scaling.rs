@@ -6,9 +6,9 @@
 //! then found by a grid and golden-section search. Standard errors come from the Jacobian at the
 //! optimum (omitted when E sits on its bound, where they mean nothing).
 
+use crate::layout::{self, run_seeds};
 use crate::plot::{self, Chart, Series};
 use crate::run;
-use crate::run::run_seeds;
 use anyhow::{Result, bail};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -246,7 +246,7 @@ fn collect(sweeps: &[PathBuf], axis: &str) -> Result<BTreeMap<String, Vec<(f64, 
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.is_dir())
             .flat_map(|dir| {
-                if dir.join(run::RECIPE).exists() {
+                if dir.join(layout::RECIPE).exists() {
                     return vec![dir];
                 }
                 // A sweep over seeds: RUN/seed-N, each seed a point.

@@ -11,6 +11,7 @@
 //! continues it.
 
 use crate::Outcome;
+use crate::layout;
 use crate::plan::{Fit, Gpu, Plan};
 use crate::recipe;
 use crate::run;
@@ -159,7 +160,7 @@ fn members(args: &SweepArgs) -> Result<Vec<Member>> {
             .flat_map(|(name, recipe)| {
                 args.seeds.iter().map(move |&seed| Member {
                     run: name.clone(),
-                    name: run::seed_name(name, seed),
+                    name: layout::seed_name(name, seed),
                     recipe: recipe.clone(),
                     seed: Some(seed),
                 })
@@ -207,7 +208,7 @@ fn recipes(sweep: &str) -> Result<Vec<(String, String)>> {
 /// signal and can be resumed), or an error message on failure.
 fn train_member(exe: &Path, run_dir: &Path, member: &Member, args: &SweepArgs) -> Result<bool> {
     let recipe = member.recipe.as_str();
-    if run_dir.join(run::FINAL_MODEL).exists() {
+    if run_dir.join(layout::FINAL_MODEL).exists() {
         return Ok(true);
     }
     let resume = crate::train::resume_or_clear(run_dir).with_context(|| recipe.to_string())?;
@@ -361,13 +362,13 @@ fn check_layout(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> 
     for member in members {
         let dir = out.join(&member.run);
         if args.seeds.is_empty() {
-            if !run::seed_dirs(&dir).is_empty() && !dir.join(run::RECIPE).exists() {
+            if !layout::seed_dirs(&dir).is_empty() && !dir.join(layout::RECIPE).exists() {
                 bail!(
                     "{}: holds runs over seeds (seed-N): give this sweep its --seeds, or another --out",
                     dir.display()
                 );
             }
-        } else if dir.join(run::RECIPE).exists() {
+        } else if dir.join(layout::RECIPE).exists() {
             bail!(
                 "{}: a run without seeds; a sweep over seeds needs another --out",
                 dir.display()
@@ -511,7 +512,7 @@ fn summarize_and_fit(args: &SweepArgs, members: &[Member], out: &Path) -> Result
     }
     let unfinished: Vec<&str> = members
         .iter()
-        .filter(|m| !out.join(&m.name).join(run::FINAL_MODEL).exists())
+        .filter(|m| !out.join(&m.name).join(layout::FINAL_MODEL).exists())
         .map(|m| m.name.as_str())
         .collect();
     if !unfinished.is_empty() {
@@ -541,113 +542,10 @@ struct Submission {
 
 /// `--slurm`: a job array over the unfinished runs, then the summary and fit.
 fn slurm_jobs(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
-    let pending: Vec<&Member> = members
-        .iter()
-        .filter(|m| !out.join(&m.name).join(run::FINAL_MODEL).exists())
-        .collect();
-    if pending.is_empty() {
-        bail!(
-            "nothing to run: the {} runs of {} in {} are finished (`diffzoo sweep {} --out {}{} --summarize` writes the summary and fit again)",
-            members.len(),
-            args.sweep,
-            out.display(),
-            args.sweep,
-            out.display(),
-            seeds_suffix(args)
-        );
-    }
-    let mut time = args.slurm_args.fixed_time()?;
-    let mut options = vec!["--nodes=1".to_string(), "--ntasks=1".into()];
-    let mut about = Vec::new();
-    let mut devices = args.devices.clone();
-    if let Some(cpus) = args.cpus_per_run {
-        options.push(format!("--cpus-per-task={cpus}"));
-    }
-    match &args.gpu {
-        None => about
-            .push("CPU runs (no --gpu given): each task trains on its node's CPUs.".to_string()),
-        Some(spec) => {
-            let gpus = args.gpus_per_run;
-            if gpus == 0 {
-                bail!("--gpus-per-run 0: a GPU run needs at least one");
-            }
-            let mut longest: Option<f64> = Some(0.0);
-            let mut unfit = Vec::new();
-            for Member { name, recipe, .. } in pending.iter().copied() {
-                let resolved = recipe::resolve(recipe, &[])?;
-                let plan = Plan::new(&resolved.recipe, Gpu::parse(spec)?, Some(gpus), 0.4)?;
-                // A recipe that fits only with recomputation it does not turn on would run out
-                // of memory as written: the recipe has to say so, not the sweep.
-                if plan.fit == Fit::NeedsRecomputation {
-                    let m = &plan.memory;
-                    unfit.push(format!(
-                        "{name} cannot run on {gpus} × {} as written: it fits only with per-block recomputation, `training.recompute = \"block\"` in its [training] ({:.1} GB per GPU with it, {:.1} GB without)",
-                        plan.gpu.name,
-                        m.peak_recomputed() / 1e9,
-                        m.peak() / 1e9
-                    ));
-                    continue;
-                }
-                if !plan.runnable() {
-                    // The lines after memory and activations say why (the last one is FLOPs).
-                    let lines = plan.lines();
-                    let why = lines
-                        .get(2..lines.len().saturating_sub(1))
-                        .unwrap_or_default();
-                    unfit.push(format!(
-                        "{name} cannot run on {gpus} × {}: {}",
-                        plan.gpu.name,
-                        why.join("; ")
-                    ));
-                    continue;
-                }
-                let memory = plan.memory.peak();
-                about.push(format!(
-                    "{name}: {:.1} GB per GPU{}",
-                    memory / 1e9,
-                    plan.days
-                        .map(|d| format!(", {d:.2} days planned at 40% MFU"))
-                        .unwrap_or_default()
-                ));
-                longest = longest.zip(plan.days).map(|(a, b)| a.max(b));
-            }
-            if !unfit.is_empty() {
-                bail!(
-                    "{}\n(sweep a directory of the other recipes, set what a recipe is asked to, or ask for a larger --gpu or more --gpus-per-run)",
-                    unfit.join("\n")
-                );
-            }
-            options.push(format!("--gres=gpu:{gpus}"));
-            // The task's GPUs are numbered from 0 on its node (CUDA_VISIBLE_DEVICES).
-            if devices.is_empty() && args.device.is_none() {
-                devices = (0..gpus).map(|i| format!("cuda:{i}")).collect();
-            }
-            if gpus > 1 {
-                about.push(format!(
-                    "{gpus} GPUs per run on one node, data parallel (train --devices): Burn 0.22.1 trains no model across nodes."
-                ));
-            }
-            if time.is_none() {
-                time = match longest {
-                    // The longest plan with a quarter's margin and a quarter of an hour for
-                    // start-up and checkpoints; a run that needs longer is requeued and resumes.
-                    Some(days) => Some(slurm::format_time(days * 86_400.0 * 1.25 + 900.0)),
-                    None => {
-                        about.push("The planner cannot time a GPU given by memory alone: the partition's default limit applies.".into());
-                        None
-                    }
-                };
-            }
-        }
-    }
-    if time.is_none() && args.gpu.is_none() {
-        about.push("No --time: the partition's default limit applies.".into());
-    }
-    about.push(
-        "A task that reaches its limit checkpoints, is requeued and resumes where it stopped."
-            .into(),
-    );
+    let pending = pending(args, members, out)?;
+    let resources = Resources::of(args, &pending)?;
     let exe = slurm::executable()?;
+    let runs: Vec<String> = pending.iter().map(|m| m.name.clone()).collect();
     let sweep = if Path::new(&args.sweep).is_dir() {
         std::path::absolute(&args.sweep)
             .with_context(|| format!("resolving {}", args.sweep))?
@@ -660,12 +558,233 @@ fn slurm_jobs(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
         .with_context(|| format!("resolving {}", out.display()))?
         .display()
         .to_string();
+    let mut task_about = vec![format!(
+        "One task per unfinished run of {} ({} of {}), each trained (or resumed) into {out_abs}/RUN.",
+        args.sweep,
+        pending.len(),
+        members.len()
+    )];
+    task_about.extend(resources.about);
+    let jobs = jobs(
+        args,
+        &Commands {
+            exe,
+            sweep,
+            out: out_abs,
+            devices: resources.devices,
+        },
+        &runs,
+        task_about,
+        resources.options,
+    );
+    let common = args.slurm_args.common(resources.time)?;
+    let ids = slurm::Plan {
+        dir: out.join("slurm"),
+        jobs,
+    }
+    .write_and_submit(&args.slurm_args, &common)?;
+    if let [array, summary] = ids.as_slice() {
+        record_submission(
+            out,
+            &Submission {
+                array: array.clone(),
+                summary: summary.clone(),
+                runs,
+            },
+        )?;
+        println!(
+            "`diffzoo sweep {} --out {} --status` follows them",
+            args.sweep,
+            out.display()
+        );
+    }
+    Ok(())
+}
+
+/// The members of the sweep without a final model in `out`; an error when there are none.
+fn pending<'a>(args: &SweepArgs, members: &'a [Member], out: &Path) -> Result<Vec<&'a Member>> {
+    let pending: Vec<&Member> = members
+        .iter()
+        .filter(|m| !out.join(&m.name).join(layout::FINAL_MODEL).exists())
+        .collect();
+    if pending.is_empty() {
+        bail!(
+            "nothing to run: the {} runs of {} in {} are finished (`diffzoo sweep {} --out {}{} --summarize` writes the summary and fit again)",
+            members.len(),
+            args.sweep,
+            out.display(),
+            args.sweep,
+            out.display(),
+            seeds_suffix(args)
+        );
+    }
+    Ok(pending)
+}
+
+/// What each task of the array asks Slurm for, and what the job script says of it.
+struct Resources {
+    /// The tasks' sbatch options.
+    options: Vec<String>,
+    /// Lines of the job script's comment.
+    about: Vec<String>,
+    /// The `--devices` each task trains on (empty: the sweep's `--device`, or the default).
+    devices: Vec<String>,
+    /// The array's time limit (`None`: the partition's default).
+    time: Option<String>,
+}
+
+impl Resources {
+    /// The nodes, CPUs and GPUs of one task, and the array's time: `--time`, or with `--gpu` and
+    /// `--time auto` the longest of the pending runs' plans with a margin.
+    fn of(args: &SweepArgs, pending: &[&Member]) -> Result<Self> {
+        let mut resources = Self {
+            time: args.slurm_args.fixed_time()?,
+            options: vec!["--nodes=1".to_string(), "--ntasks=1".into()],
+            about: Vec::new(),
+            devices: args.devices.clone(),
+        };
+        if let Some(cpus) = args.cpus_per_run {
+            resources.options.push(format!("--cpus-per-task={cpus}"));
+        }
+        match &args.gpu {
+            None => resources.about.push(
+                "CPU runs (no --gpu given): each task trains on its node's CPUs.".to_string(),
+            ),
+            Some(spec) => resources.gpus(args, spec, pending)?,
+        }
+        if resources.time.is_none() && args.gpu.is_none() {
+            resources
+                .about
+                .push("No --time: the partition's default limit applies.".into());
+        }
+        resources.about.push(
+            "A task that reaches its limit checkpoints, is requeued and resumes where it stopped."
+                .into(),
+        );
+        Ok(resources)
+    }
+
+    /// `--gpus-per-run` of `spec` for each task, every pending run planned on them
+    /// ([`plan_each`]).
+    fn gpus(&mut self, args: &SweepArgs, spec: &str, pending: &[&Member]) -> Result<()> {
+        let gpus = args.gpus_per_run;
+        if gpus == 0 {
+            bail!("--gpus-per-run 0: a GPU run needs at least one");
+        }
+        let longest = plan_each(spec, gpus, pending, &mut self.about)?;
+        self.options.push(format!("--gres=gpu:{gpus}"));
+        // The task's GPUs are numbered from 0 on its node (CUDA_VISIBLE_DEVICES).
+        if self.devices.is_empty() && args.device.is_none() {
+            self.devices = (0..gpus).map(|i| format!("cuda:{i}")).collect();
+        }
+        if gpus > 1 {
+            self.about.push(format!(
+                "{gpus} GPUs per run on one node, data parallel (train --devices): Burn 0.22.1 trains no model across nodes."
+            ));
+        }
+        if self.time.is_none() {
+            self.time = match longest {
+                // The longest plan with a quarter's margin and a quarter of an hour for
+                // start-up and checkpoints; a run that needs longer is requeued and resumes.
+                Some(days) => Some(slurm::format_time(days * 86_400.0 * 1.25 + 900.0)),
+                None => {
+                    self.about.push("The planner cannot time a GPU given by memory alone: the partition's default limit applies.".into());
+                    None
+                }
+            };
+        }
+        Ok(())
+    }
+}
+
+/// Each pending run planned on `gpus` × `spec`, a line of `about` each (its memory per GPU and
+/// days); the longest plan in days (`None` where one cannot be timed). An error names every run
+/// that cannot run as written.
+fn plan_each(
+    spec: &str,
+    gpus: usize,
+    pending: &[&Member],
+    about: &mut Vec<String>,
+) -> Result<Option<f64>> {
+    let mut longest: Option<f64> = Some(0.0);
+    let mut unfit = Vec::new();
+    for Member { name, recipe, .. } in pending.iter().copied() {
+        let resolved = recipe::resolve(recipe, &[])?;
+        let plan = Plan::new(&resolved.recipe, Gpu::parse(spec)?, Some(gpus), 0.4)?;
+        // A recipe that fits only with recomputation it does not turn on would run out
+        // of memory as written: the recipe has to say so, not the sweep.
+        if plan.fit == Fit::NeedsRecomputation {
+            let m = &plan.memory;
+            unfit.push(format!(
+                "{name} cannot run on {gpus} × {} as written: it fits only with per-block recomputation, `training.recompute = \"block\"` in its [training] ({:.1} GB per GPU with it, {:.1} GB without)",
+                plan.gpu.name,
+                m.peak_recomputed() / 1e9,
+                m.peak() / 1e9
+            ));
+            continue;
+        }
+        if !plan.runnable() {
+            // The lines after memory and activations say why (the last one is FLOPs).
+            let lines = plan.lines();
+            let why = lines
+                .get(2..lines.len().saturating_sub(1))
+                .unwrap_or_default();
+            unfit.push(format!(
+                "{name} cannot run on {gpus} × {}: {}",
+                plan.gpu.name,
+                why.join("; ")
+            ));
+            continue;
+        }
+        let memory = plan.memory.peak();
+        about.push(format!(
+            "{name}: {:.1} GB per GPU{}",
+            memory / 1e9,
+            plan.days
+                .map(|d| format!(", {d:.2} days planned at 40% MFU"))
+                .unwrap_or_default()
+        ));
+        longest = longest.zip(plan.days).map(|(a, b)| a.max(b));
+    }
+    if !unfit.is_empty() {
+        bail!(
+            "{}\n(sweep a directory of the other recipes, set what a recipe is asked to, or ask for a larger --gpu or more --gpus-per-run)",
+            unfit.join("\n")
+        );
+    }
+    Ok(longest)
+}
+
+/// What the array's tasks and the summary job run: this executable's `sweep` of `sweep` (a
+/// directory made absolute) into `out` (absolute).
+struct Commands {
+    exe: String,
+    sweep: String,
+    out: String,
+    devices: Vec<String>,
+}
+
+/// The array (one task per run of `runs`, with `options`, described by `about`) and the summary
+/// and fit after every task has ended.
+fn jobs(
+    args: &SweepArgs,
+    commands: &Commands,
+    runs: &[String],
+    about: Vec<String>,
+    options: Vec<String>,
+) -> Vec<Job> {
+    let Commands {
+        exe,
+        sweep,
+        out,
+        devices,
+    } = commands;
     let mut words = vec![
         exe.clone(),
         "sweep".into(),
         sweep.clone(),
         "--out".into(),
-        out_abs.clone(),
+        out.clone(),
     ];
     if let Some(device) = &args.device {
         words.extend(["--device".into(), device.clone()]);
@@ -675,22 +794,14 @@ fn slurm_jobs(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
     }
     let seeds = seeds_argument(args);
     words.extend(seeds.clone());
-    let runs: Vec<String> = pending.iter().map(|m| m.name.clone()).collect();
-    let mut task_about = vec![format!(
-        "One task per unfinished run of {} ({} of {}), each trained (or resumed) into {out_abs}/RUN.",
-        args.sweep,
-        pending.len(),
-        members.len()
-    )];
-    task_about.extend(about);
-    let jobs = vec![
+    vec![
         Job {
             name: "sweep".into(),
-            about: task_about,
+            about,
             options,
             array: Some(runs.len()),
             setup: vec![
-                format!("runs=({})", slurm::command_line(&runs)),
+                format!("runs=({})", slurm::command_line(runs)),
                 "run=${runs[$SLURM_ARRAY_TASK_ID]}".into(),
             ],
             command: format!("{} --only=\"$run\"", slurm::command_line(&words)),
@@ -702,18 +813,18 @@ fn slurm_jobs(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
             about: vec![
                 "After every task has ended (however it ended): summary.json, the scaling fit and"
                     .into(),
-                format!("its plot {out_abs}/scaling.svg."),
+                format!("its plot {out}/scaling.svg."),
             ],
             options: vec!["--nodes=1".into(), "--ntasks=1".into()],
             array: None,
             setup: Vec::new(),
             command: slurm::command_line(
                 &[
-                    exe,
+                    exe.clone(),
                     "sweep".into(),
-                    sweep,
+                    sweep.clone(),
                     "--out".into(),
-                    out_abs,
+                    out.clone(),
                     "--summarize".into(),
                     "--fit-axis".into(),
                     args.fit_axis.clone(),
@@ -725,35 +836,20 @@ fn slurm_jobs(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
             resumable: false,
             after: Some(After::Any(0)),
         },
-    ];
-    let common = args.slurm_args.common(time)?;
-    let ids = slurm::Plan {
-        dir: out.join("slurm"),
-        jobs,
-    }
-    .write_and_submit(&args.slurm_args, &common)?;
-    if let [array, summary] = ids.as_slice() {
-        let record = Submission {
-            array: array.clone(),
-            summary: summary.clone(),
-            runs,
-        };
-        let path = out.join(SUBMITTED);
-        let mut file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .with_context(|| format!("opening {}", path.display()))?;
-        use std::io::Write;
-        writeln!(file, "{}", serde_json::to_string(&record)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-        println!(
-            "`diffzoo sweep {} --out {} --status` follows them",
-            args.sweep,
-            out.display()
-        );
-    }
-    Ok(())
+    ]
+}
+
+/// Appends a submission to the sweep's [`SUBMITTED`], which `--status` reads.
+fn record_submission(out: &Path, record: &Submission) -> Result<()> {
+    use std::io::Write;
+    let path = out.join(SUBMITTED);
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    writeln!(file, "{}", serde_json::to_string(record)?)
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// `--seeds 1,2,3` as the sweep was given it (nothing without seeds).
@@ -811,7 +907,7 @@ fn status(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
         let step = last_step(&run_dir);
         let job = task_of.get(name).cloned();
         let slurm_state = job.as_ref().and_then(|j| states.get(j)).map(String::as_str);
-        let state = if run_dir.join(run::FINAL_MODEL).exists() {
+        let state = if run_dir.join(layout::FINAL_MODEL).exists() {
             "finished".to_string()
         } else {
             match slurm_state.map(|s| s.split_whitespace().next().unwrap_or(s)) {
@@ -824,7 +920,7 @@ fn status(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
                     other @ ("FAILED" | "TIMEOUT" | "NODE_FAIL" | "OUT_OF_MEMORY" | "BOOT_FAIL"
                     | "DEADLINE" | "PREEMPTED"),
                 ) => format!("failed ({other})"),
-                _ if checkpoint::resumable(&run_dir.join(run::CHECKPOINTS)) => {
+                _ if checkpoint::resumable(&run_dir.join(layout::CHECKPOINTS)) => {
                     "stopped (resumable)".into()
                 }
                 _ if run_dir.exists() => "incomplete".into(),

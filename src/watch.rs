@@ -10,8 +10,9 @@
 //! `outcome.json` (how the last `train` ended: stopped or failed, with why), and otherwise a
 //! process that is gone without a word (killed, out of memory, a lost node): failed.
 
+use crate::layout::{self, RunEnd};
 use crate::recipe::Recipe;
-use crate::run::{self, RunEnd};
+use crate::run;
 use crate::train::checkpoint;
 use crate::train::lock::{self, Holder};
 use crate::train::step::{clock, eta};
@@ -136,7 +137,7 @@ impl Runs {
                 problems.push(format!(
                     "{}: no run directories in it or four levels below (a run directory holds {})",
                     dir.display(),
-                    run::RECIPE
+                    layout::RECIPE
                 ));
             }
             for (path, planned_steps) in found {
@@ -151,7 +152,7 @@ impl Runs {
                     name,
                     steps: None,
                     planned_steps: None,
-                    log: LogFollower::new(path.join(run::METRICS)),
+                    log: LogFollower::new(path.join(layout::METRICS)),
                     resumable: None,
                 });
                 watched.planned_steps = planned_steps;
@@ -173,13 +174,13 @@ impl Runs {
 /// directory's `sweep.json` plans but that are not there yet (with their planned steps), sorted.
 fn find_runs(dir: &Path) -> Vec<(PathBuf, Option<usize>)> {
     fn walk(dir: &Path, depth: usize, out: &mut Vec<(PathBuf, Option<usize>)>) {
-        if dir.join(run::RECIPE).is_file() {
+        if dir.join(layout::RECIPE).is_file() {
             out.push((dir.to_path_buf(), None));
             return;
         }
         for planned in run::sweep_plan(dir) {
             let path = dir.join(&planned.name);
-            if !path.join(run::RECIPE).is_file() {
+            if !path.join(layout::RECIPE).is_file() {
                 out.push((path, Some(planned.steps)));
             }
         }
@@ -207,7 +208,7 @@ fn row(dir: &Path, watched: &mut Watched) -> RunRow {
     let (state, detail) = state(dir, &watched.log);
     let running = state == "running";
     let resumable = !running && state != "finished" && {
-        let checkpoints = dir.join(run::CHECKPOINTS);
+        let checkpoints = dir.join(layout::CHECKPOINTS);
         let modified = std::fs::metadata(&checkpoints)
             .and_then(|m| m.modified())
             .ok();
@@ -241,7 +242,7 @@ fn row(dir: &Path, watched: &mut Watched) -> RunRow {
 
 /// The state of a run and a detail (why it failed, where it runs).
 fn state(dir: &Path, log: &LogFollower) -> (String, Option<String>) {
-    if dir.join(run::FINAL_MODEL).exists() {
+    if dir.join(layout::FINAL_MODEL).exists() {
         return ("finished".into(), None);
     }
     let Some(holder) = Holder::of(dir) else {
@@ -732,7 +733,7 @@ mod tests {
     #[test]
     fn a_growing_log_is_read_once_torn_lines_wait_and_resumed_steps_replace_the_old() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join(run::METRICS);
+        let path = dir.path().join(layout::METRICS);
         let mut file = std::fs::File::create(&path).unwrap();
         let mut log = LogFollower::new(path.clone());
         log.read();
@@ -774,7 +775,7 @@ mod tests {
     #[test]
     fn a_resumed_run_drops_the_validation_after_its_checkpoint_until_it_comes_again() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join(run::METRICS);
+        let path = dir.path().join(layout::METRICS);
         let mut log = String::new();
         for step in 1..=4 {
             log += &line("train", step, 5.0, step as f64);
@@ -795,7 +796,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let started = dir.path().join("a");
         std::fs::create_dir_all(&started).unwrap();
-        std::fs::write(started.join(run::RECIPE), "").unwrap();
+        std::fs::write(started.join(layout::RECIPE), "").unwrap();
         let plan = [("a", 20), ("b", 40)].map(|(name, steps)| run::Planned {
             name: name.into(),
             steps,

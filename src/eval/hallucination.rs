@@ -29,6 +29,7 @@ use super::seeds::{self, Measurement, Metric};
 use super::{Common, emit};
 use crate::chat::{Message, NoTemplate, Template};
 use crate::generate::{Ends, greedy};
+use crate::layout;
 use crate::run;
 use crate::stats::{self, Estimate};
 use anyhow::{Context, Result, anyhow, bail};
@@ -206,7 +207,7 @@ impl JudgeSpec {
             return Ok(Self::Command(program.to_string()));
         }
         let dir = PathBuf::from(text);
-        if !dir.join(run::RECIPE).is_file() {
+        if !dir.join(layout::RECIPE).is_file() {
             bail!("--judge {text}: neither `cmd:PROGRAM` nor a run directory");
         }
         // Checked before any output is generated, not after.
@@ -277,7 +278,7 @@ struct Generator {
     tokenizer: TextTokenizer,
     template: Option<Template>,
     ends: Ends,
-    weights: run::Weights,
+    weights: layout::Weights,
     device: Device,
 }
 

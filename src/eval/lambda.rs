@@ -5,6 +5,7 @@
 
 use super::seeds::{self, Measurement, Metric};
 use super::{Common, Loaded, emit};
+use crate::layout;
 use crate::plot::{Chart, Series};
 use crate::run;
 use crate::train::checkpoint;
@@ -111,9 +112,9 @@ pub fn measure(loaded: &Loaded, run_dir: &Path) -> Result<Lambdas> {
     let window = loaded.validation_windows()?.window(0);
     let config = loaded.recipe.model_config();
     let mut checkpoints = Vec::new();
-    for checkpoint in run::verified_checkpoints(run_dir) {
+    for checkpoint in layout::verified_checkpoints(run_dir) {
         let file = run_dir
-            .join(run::CHECKPOINTS)
+            .join(layout::CHECKPOINTS)
             .join(checkpoint::part_name("model", checkpoint.number));
         // At the checkpoint's own warm-up scale, so that V2's λ is read from the activations
         // that step computed; λ itself is reported before that scale.
@@ -129,7 +130,8 @@ pub fn measure(loaded: &Loaded, run_dir: &Path) -> Result<Lambdas> {
     }
     // The final model equals the last checkpoint when that one was taken at the last step.
     let last = checkpoints.last().map(|c| c.step);
-    if matches!(loaded.weights, run::Weights::Final(_)) && last != Some(loaded.recipe.total_steps())
+    if matches!(loaded.weights, layout::Weights::Final(_))
+        && last != Some(loaded.recipe.total_steps())
     {
         let (mean, std) = layer_lambdas(loaded, &loaded.model, &window);
         checkpoints.push(LambdaAt {

@@ -33,7 +33,7 @@ pub mod recall;
 pub mod seeds;
 
 use crate::run::WeightDtype;
-use crate::{recipe::Recipe, run};
+use crate::{layout, recipe::Recipe, run};
 use anyhow::{Context, Result, anyhow, bail};
 use burn::data::dataloader::batcher::Batcher;
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -66,7 +66,7 @@ pub struct Loaded {
     pub tokenizer: TextTokenizer,
     pub shards: Shards,
     pub model: Model,
-    pub weights: run::Weights,
+    pub weights: layout::Weights,
     pub device: Device,
 }
 
@@ -209,10 +209,10 @@ pub fn f64_values<const D: usize>(tensor: Tensor<D>) -> Vec<f64> {
 /// final, or all at one checkpoint step): a sweep still running would mix them. Empty for a
 /// plain run.
 pub fn seeds_of(run: &Path) -> Result<Vec<PathBuf>> {
-    let seeds = run::run_seeds(run);
+    let seeds = layout::run_seeds(run);
     let mut stages = Vec::with_capacity(seeds.len());
     for seed in &seeds {
-        stages.push(run::find_weights(seed)?.stage());
+        stages.push(layout::find_weights(seed)?.stage());
     }
     if let Some(i) = stages.iter().position(|s| *s != stages[0]) {
         bail!(

@@ -10,7 +10,7 @@ use super::{
     Architecture, CONFIG, Dtype, Entry, FloatFormat, GENERATION_CONFIG, Pending, TOKENIZER,
     V2_MODULE, V2_SOURCE, WEIGHTS, WEIGHTS_INDEX, config, entries, write_file, write_safetensors,
 };
-use crate::{device, run};
+use crate::{device, layout, run};
 use anyhow::{Context, Result, anyhow, bail};
 use burn::store::burn_pack::{self, DType};
 use burn::store::{BurnToPyTorchAdapter, ModuleSnapshot};
@@ -68,13 +68,13 @@ fn export(
     staging: &Path,
     dtype: Dtype,
     limit: u64,
-) -> Result<(Architecture, run::Weights, usize)> {
+) -> Result<(Architecture, layout::Weights, usize)> {
     let recipe = run::run_recipe(run_dir)?;
     let config = recipe.model_config();
     let device = device::parse("cpu")?;
     let (model, weights) = run::load_model(run_dir, &recipe, &device)?;
     if let Some(n) = recipe.training.warmup_steps() {
-        let step = run::weights_step(run_dir, &recipe, &weights)?;
+        let step = layout::weights_step(run_dir, &weights, recipe.total_steps())?;
         if step < n {
             bail!(
                 "{}: its {weights} is at step {step} of a {n}-step λ warm-up (`training.lambda_warmup`) and computes with λ scaled by {}, which no transformers class holds: export a run fine-tuned past its warm-up",
@@ -148,7 +148,7 @@ fn export(
         write_json(&staging.join(WEIGHTS_INDEX), &index)?;
     }
 
-    let tokenizer_path = run_dir.join(run::TOKENIZER);
+    let tokenizer_path = run_dir.join(layout::TOKENIZER);
     let tokenizer = if tokenizer_path.is_file() {
         Some(run::run_tokenizer(run_dir)?)
     } else {
@@ -162,7 +162,7 @@ fn export(
     // What the run's tokenizer came with (an import's chat template, special tokens and
     // end-of-turn ids) goes out as it came in; a run trained here gets the defaults below.
     let companions = match &tokenizer {
-        Some(_) => run::copy_companions(run_dir, staging)?,
+        Some(_) => layout::copy_companions(run_dir, staging)?,
         None => Vec::new(),
     };
     if !companions.contains(&GENERATION_CONFIG) {

@@ -3,7 +3,7 @@
 //! `DiffzooV2ForCausalLM` export) as a run directory that `generate`, every `eval`, `compare`,
 //! `export` and `training.init_from` accept. Config keys transformers does not read are listed
 //! and recorded in `import.json` (see [`super::config`]); the tokenizer comes with the files
-//! chat and generation read beside it ([`run::COMPANIONS`]).
+//! chat and generation read beside it ([`layout::COMPANIONS`]).
 //!
 //! The safetensors files are memory-mapped and each tensor is converted (rows permuted, see
 //! [`super`]) when the writer of the run's `model.safetensors` reaches it; `model.bpk` is then
@@ -17,11 +17,11 @@ use super::{
     CONFIG, Dtype, Entry, FloatFormat, Pending, Rows, TOKENIZER, WEIGHTS, WEIGHTS_INDEX, entries,
     write_file, write_safetensors,
 };
+use crate::layout;
 use crate::recipe::{
     CheckpointSection, DataSection, OptimizerSection, Precision, Recipe, Recompute,
     ScheduleSection, TrainingSection,
 };
-use crate::run;
 use anyhow::{Context, Result, anyhow, bail};
 use burn::module::ParamId;
 use burn::store::burn_pack::{self, Bytes};
@@ -123,11 +123,11 @@ fn import(dir: &Path, out: &Path, staging: &Path, dtype: Dtype) -> Result<(HfCon
     }
     std::fs::create_dir_all(staging).with_context(|| format!("creating {}", staging.display()))?;
     let recipe = recipe_of(dir, out, &hf, dtype, tokenizer.is_some())?;
-    write_file(&staging.join(run::RECIPE), recipe.to_toml())?;
+    write_file(&staging.join(layout::RECIPE), recipe.to_toml())?;
     let mut companions = Vec::new();
     if let Some(tokenizer) = &tokenizer {
-        write_file(&staging.join(run::TOKENIZER), tokenizer.json())?;
-        companions = run::copy_companions(dir, staging)?;
+        write_file(&staging.join(layout::TOKENIZER), tokenizer.json())?;
+        companions = layout::copy_companions(dir, staging)?;
     }
     let note = serde_json::json!({
         "format": "huggingface",
@@ -152,7 +152,7 @@ fn import(dir: &Path, out: &Path, staging: &Path, dtype: Dtype) -> Result<(HfCon
 /// template compiles: one that does not is said at once (chat will not work), but the checkpoint
 /// imports, since what it computes does not depend on it.
 fn check_companions(dir: &Path) -> Result<()> {
-    for name in run::COMPANIONS {
+    for name in layout::COMPANIONS {
         let path = dir.join(name);
         if name.ends_with(".json") && path.is_file() {
             let text = std::fs::read_to_string(&path)
@@ -192,7 +192,7 @@ fn recipe_of(
         model: hf.model.clone(),
         data: DataSection {
             corpus: diffzoo_datasets::corpus::EMBEDDED.into(),
-            tokenizer: tokenizer.then(|| out.join(run::TOKENIZER).display().to_string()),
+            tokenizer: tokenizer.then(|| out.join(layout::TOKENIZER).display().to_string()),
             seq_len,
             needles: None,
             recall: None,
@@ -494,7 +494,12 @@ fn write_model(
         "producer": "diffzoo import hf",
         "version": env!("CARGO_PKG_VERSION"),
     });
-    write_safetensors(&dir.join(run::FINAL_SAFETENSORS), &pending, dtype, metadata)?;
+    write_safetensors(
+        &dir.join(layout::FINAL_SAFETENSORS),
+        &pending,
+        dtype,
+        metadata,
+    )?;
     // The run's model.safetensors is itself a one-file checkpoint (`WEIGHTS` is its name).
     let written = Arc::new(Checkpoint::open(dir)?);
     let records: Vec<burn_pack::Tensor> = pending
@@ -517,7 +522,7 @@ fn write_model(
             )
         })
         .collect();
-    let path = dir.join(run::FINAL_MODEL);
+    let path = dir.join(layout::FINAL_MODEL);
     burn_pack::Writer::new(records)
         .write_to_file(&path)
         .map_err(|e| anyhow!("writing {}: {e}", path.display()))

@@ -30,8 +30,9 @@ pub mod tensorboard;
 
 use crate::Outcome;
 use crate::device;
+use crate::layout::{self, RunEnd};
 use crate::recipe::{self, NeedleSection, OptimizerSection, Precision, Recipe, Recompute};
-use crate::run::{self, RunEnd};
+use crate::run;
 use anyhow::{Context, Result, anyhow, bail};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::module::ParamGroup;
@@ -195,15 +196,15 @@ fn resume_conflicts(stored: &Recipe, given: &Recipe) -> Vec<String> {
 /// the same tokenizer, that run's.
 fn copy_tokenizer_files(dir: &Path, recipe: &Recipe, tokenizer: &TextTokenizer) -> Result<()> {
     if let Some(home) = run::tokenizer_home(recipe)
-        && !run::copy_companions(&home, dir)?.is_empty()
+        && !layout::copy_companions(&home, dir)?.is_empty()
     {
         return Ok(());
     }
     if let Some(init) = recipe.training.init_from.as_deref().map(Path::new)
-        && init.join(run::TOKENIZER).is_file()
+        && init.join(layout::TOKENIZER).is_file()
         && run::run_tokenizer(init)?.hash() == tokenizer.hash()
     {
-        run::copy_companions(init, dir)?;
+        layout::copy_companions(init, dir)?;
     }
     Ok(())
 }
@@ -216,7 +217,7 @@ fn prepare_run_dir(
     resume: bool,
 ) -> Result<Verified> {
     let fresh = Verified { number: 0, step: 0 };
-    let recipe_path = dir.join(run::RECIPE);
+    let recipe_path = dir.join(layout::RECIPE);
     if !resume {
         if recipe_path.exists() {
             bail!(
@@ -224,17 +225,17 @@ fn prepare_run_dir(
                 dir.display()
             );
         }
-        if !run::run_seeds(dir).is_empty() {
+        if !layout::run_seeds(dir).is_empty() {
             bail!(
                 "{} holds runs over seeds (seed-N): train them with their --seeds, or a run of \
                  one seed into another --out",
                 dir.display()
             );
         }
-        checkpoint::mark_format(&dir.join(run::CHECKPOINTS)).map_err(|e| anyhow!(e))?;
+        checkpoint::mark_format(&dir.join(layout::CHECKPOINTS)).map_err(|e| anyhow!(e))?;
         std::fs::write(&recipe_path, recipe.with_absolute_paths().to_toml())
             .with_context(|| format!("writing {}", recipe_path.display()))?;
-        tokenizer.save(&dir.join(run::TOKENIZER))?;
+        tokenizer.save(&dir.join(layout::TOKENIZER))?;
         copy_tokenizer_files(dir, recipe, tokenizer)?;
         return Ok(fresh);
     }
@@ -263,7 +264,7 @@ fn prepare_run_dir(
             tokenizer.hash()
         );
     }
-    let finished = dir.join(run::FINAL_MODEL).exists();
+    let finished = dir.join(layout::FINAL_MODEL).exists();
     if finished && now == was {
         let key = match stored.training.tokens {
             Some(_) => "training.tokens",
@@ -272,10 +273,10 @@ fn prepare_run_dir(
         bail!(
             "{} has finished ({} exists): `--set {key}=N` with a larger N extends it",
             dir.display(),
-            run::FINAL_MODEL
+            layout::FINAL_MODEL
         );
     }
-    let checkpoints = dir.join(run::CHECKPOINTS);
+    let checkpoints = dir.join(layout::CHECKPOINTS);
     checkpoint::remove_temporaries(dir);
     checkpoint::remove_temporaries(&checkpoints);
     // Legacy checkpoints are labelled by the run as it was trained, not as it is extended.
@@ -307,7 +308,7 @@ fn prepare_run_dir(
         );
     }
     checkpoint::remove_unfinished(&checkpoints, newest.number).map_err(|e| anyhow!(e))?;
-    truncate_log(&dir.join(run::METRICS), newest.step)?;
+    truncate_log(&dir.join(layout::METRICS), newest.step)?;
     if now > was {
         extend(dir, recipe, finished, was)?;
     }
@@ -321,7 +322,7 @@ fn prepare_run_dir(
 /// was asked for that many steps from the start; a decaying rate jumps to that schedule's value.
 fn extend(dir: &Path, recipe: &Recipe, finished: bool, was: usize) -> Result<()> {
     if finished {
-        for name in [run::FINAL_MODEL, run::FINAL_SAFETENSORS] {
+        for name in [layout::FINAL_MODEL, layout::FINAL_SAFETENSORS] {
             let path = dir.join(name);
             if path.exists() {
                 std::fs::remove_file(&path)
@@ -329,7 +330,7 @@ fn extend(dir: &Path, recipe: &Recipe, finished: bool, was: usize) -> Result<()>
             }
         }
     }
-    let path = dir.join(run::RECIPE);
+    let path = dir.join(layout::RECIPE);
     checkpoint::write_whole(&path, recipe.with_absolute_paths().to_toml().as_bytes())
         .with_context(|| format!("writing {}", path.display()))?;
     say!(
@@ -408,7 +409,7 @@ pub fn run(args: &TrainArgs) -> Result<Outcome> {
 /// checkpoint was complete has nothing to keep and is cleared to train again (unless a `train`
 /// still writes it: the lock refuses then); one whose checkpoints all fail to verify is refused.
 pub fn resume_or_clear(dir: &Path) -> Result<bool> {
-    let checkpoints = dir.join(run::CHECKPOINTS);
+    let checkpoints = dir.join(layout::CHECKPOINTS);
     if checkpoint::resumable(&checkpoints) {
         return Ok(true);
     }
@@ -442,7 +443,7 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
         .out
         .clone()
         .unwrap_or_else(|| Path::new("runs").join(name));
-    if out.join(run::RECIPE).exists() {
+    if out.join(layout::RECIPE).exists() {
         bail!(
             "{} holds a run without seeds: train over seeds into another --out (or train that \
              run with --set 'training.seeds=[]')",
@@ -452,7 +453,7 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
     let seed_args = |seed: u64| {
         let mut one = args.clone();
         one.seeds.clear();
-        one.out = Some(run::seed_dir(&out, seed));
+        one.out = Some(layout::seed_dir(&out, seed));
         one.overrides.push(format!("training.seed={seed}"));
         one.overrides.push("training.seeds=[]".into());
         one
@@ -460,7 +461,7 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
     // The seeds of one directory share one recipe: every seed there is checked, listed or not.
     // Those trained to this recipe's length, if finished, are skipped below.
     let mut full_length = Vec::new();
-    for dir in run::run_seeds(&out) {
+    for dir in layout::run_seeds(&out) {
         let stored = run::run_recipe(&dir)?;
         let given = recipe::resolve(&args.recipe, &seed_args(stored.training.seed).overrides)?;
         let conflicts = resume_conflicts(&stored, &given.recipe);
@@ -489,8 +490,8 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
     }
     let mut skip = Vec::with_capacity(seeds.len());
     for &seed in seeds {
-        let dir = run::seed_dir(&out, seed);
-        let holds_run = dir.join(run::RECIPE).exists();
+        let dir = layout::seed_dir(&out, seed);
+        let holds_run = dir.join(layout::RECIPE).exists();
         if holds_run && !args.resume {
             bail!(
                 "{} already holds a run: pass --resume to continue the seeds, or --out for new ones",
@@ -498,10 +499,12 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
             );
         }
         // A finished seed is skipped unless this recipe extends it.
-        skip.push(holds_run && dir.join(run::FINAL_MODEL).exists() && full_length.contains(&seed));
+        skip.push(
+            holds_run && dir.join(layout::FINAL_MODEL).exists() && full_length.contains(&seed),
+        );
     }
     for (&seed, skip) in seeds.iter().zip(skip) {
-        let dir = run::seed_dir(&out, seed);
+        let dir = layout::seed_dir(&out, seed);
         if skip {
             say!("seed {seed}: {} has finished", dir.display());
             continue;
@@ -521,7 +524,9 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
     }
     let losses: Option<Vec<f64>> = seeds
         .iter()
-        .map(|&seed| run::last_validation_loss(&run::metrics_records(&run::seed_dir(&out, seed))))
+        .map(|&seed| {
+            run::last_validation_loss(&run::metrics_records(&layout::seed_dir(&out, seed)))
+        })
         .collect();
     match losses {
         Some(losses) => {
@@ -570,11 +575,11 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
     let model = initial_model(args, &resolved, &train_device)?;
 
     // What the user gave is checked: from here on the run directory is written.
-    if args.resume && !dir.join(run::RECIPE).exists() {
+    if args.resume && !dir.join(layout::RECIPE).exists() {
         bail!(
             "{} is not a run directory to resume (no {})",
             dir.display(),
-            run::RECIPE
+            layout::RECIPE
         );
     }
     let mut lock = lock::RunLock::take(&dir)?;
@@ -609,7 +614,7 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
     let (train_loader, valid_loader, strategy) =
         loaders(recipe, data, intervals, devices, train_device, &context);
     let checkpoints = CheckpointWriter::new(
-        &dir.join(run::CHECKPOINTS),
+        &dir.join(layout::CHECKPOINTS),
         (resume_from.number > 0).then_some(resume_from),
         context.control.clone(),
     );
@@ -683,7 +688,7 @@ fn step_context(
     valid_batches: usize,
     specs: &[String],
 ) -> Result<Arc<StepContext>> {
-    let metrics = dir.join(run::METRICS);
+    let metrics = dir.join(layout::METRICS);
     let log = MetricsLog::open(&metrics)
         .with_context(|| format!("opening {}", metrics.display()))?
         .with_tensorboard(&dir.join(tensorboard::DIR), &metrics)
@@ -701,7 +706,7 @@ fn step_context(
     .recomputing(recipe.training.recompute)
     .computing_in(recipe.training.precision.compute())
     .warming_up(recipe.training.warmup_steps())
-    .validating_with(run::inference_attention(&specs[0]))
+    .validating_with(device::inference_attention(&specs[0]))
     .data_parallel(specs.len());
     Ok(Arc::new(context))
 }
@@ -975,7 +980,7 @@ fn finish(
     }
     // The final checkpoint's model file becomes the final model (one copy on disk).
     let last = checkpoints.newest().filter(|c| c.step == total).map(|c| {
-        dir.join(run::CHECKPOINTS)
+        dir.join(layout::CHECKPOINTS)
             .join(checkpoint::part_name("model", c.number))
     });
     run::save_final(
@@ -984,7 +989,7 @@ fn finish(
         last.as_deref(),
         recipe.checkpoint.safetensors,
     )?;
-    say!("done: {}", dir.join(run::FINAL_MODEL).display());
+    say!("done: {}", dir.join(layout::FINAL_MODEL).display());
     Ok(Outcome::Done)
 }
 

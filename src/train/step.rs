@@ -99,7 +99,7 @@ pub struct StepContext {
     /// Steps of the warm-up of DIFF's negative map (`training.lambda_warmup`), if any.
     pub lambda_warmup: Option<usize>,
     /// The attention validation passes computing in f32 take instead of the recipe's, if any
-    /// ([`crate::run::inference_attention`]).
+    /// ([`crate::device::inference_attention`]).
     valid_attention: Option<AttentionImpl>,
     pub batch_tokens: u64,
     pub total_steps: usize,
@@ -589,9 +589,9 @@ mod tests {
                 .map(|b| b.attn.implementation())
                 .collect()
         };
-        let explicit = crate::run::inference_attention("flex");
+        let explicit = crate::device::inference_attention("flex");
         assert_eq!(explicit, Some(AttentionImpl::Explicit));
-        assert_eq!(crate::run::inference_attention("ndarray"), None);
+        assert_eq!(crate::device::inference_attention("ndarray"), None);
         assert_eq!(validated(micro_context(dir.path())), [flash; 2]);
         let context = micro_context(dir.path()).validating_with(explicit);
         assert_eq!(validated(context), [AttentionImpl::Explicit; 2]);
