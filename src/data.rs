@@ -498,15 +498,15 @@ fn print_skipped(skipped: &[diffzoo_datasets::Skip]) {
 fn slurm_jobs(args: &PrepareArgs, count: usize) -> Result<()> {
     check_parts(args, count)?;
     let exe = slurm::executable()?;
-    let out = absolute(&args.out)?;
+    let out = slurm::absolute(&args.out)?;
     let inputs = args
         .inputs
         .iter()
-        .map(|p| absolute(p))
+        .map(|p| slurm::absolute(p))
         .collect::<Result<Vec<_>>>()?;
     let mut jobs = Vec::new();
     let tokenizer = match (&args.tokenizer, args.vocab_size) {
-        (Some(path), _) => absolute(path)?,
+        (Some(path), _) => slurm::absolute(path)?,
         (None, Some(vocab)) => {
             let path = format!("{out}/tokenizer-bpe-{vocab}.json");
             jobs.push(tokenizer_job(args, &exe, &inputs, vocab, &path));
@@ -565,14 +565,6 @@ fn check_parts(args: &PrepareArgs, count: usize) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// `p` made absolute, as the jobs' commands name it.
-fn absolute(p: &Path) -> Result<String> {
-    Ok(std::path::absolute(p)
-        .with_context(|| format!("resolving {}", p.display()))?
-        .display()
-        .to_string())
 }
 
 /// The job that trains the byte-level BPE of `vocab` tokens on `inputs` into `path`, once.

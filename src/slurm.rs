@@ -152,6 +152,14 @@ pub fn command_line<S: AsRef<str>>(words: &[S]) -> String {
         .join(" ")
 }
 
+/// `path` made absolute, as a job's command names it (a job runs in another directory).
+pub fn absolute(path: &Path) -> Result<String> {
+    Ok(std::path::absolute(path)
+        .with_context(|| format!("resolving {}", path.display()))?
+        .display()
+        .to_string())
+}
+
 /// How a job waits for an earlier one of the same plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum After {

@@ -546,18 +546,11 @@ fn slurm_jobs(args: &SweepArgs, members: &[Member], out: &Path) -> Result<()> {
     let resources = Resources::of(args, &pending)?;
     let exe = slurm::executable()?;
     let runs: Vec<String> = pending.iter().map(|m| m.name.clone()).collect();
-    let sweep = if Path::new(&args.sweep).is_dir() {
-        std::path::absolute(&args.sweep)
-            .with_context(|| format!("resolving {}", args.sweep))?
-            .display()
-            .to_string()
-    } else {
-        args.sweep.clone()
+    let sweep = match Path::new(&args.sweep) {
+        dir if dir.is_dir() => slurm::absolute(dir)?,
+        _ => args.sweep.clone(),
     };
-    let out_abs = std::path::absolute(out)
-        .with_context(|| format!("resolving {}", out.display()))?
-        .display()
-        .to_string();
+    let out_abs = slurm::absolute(out)?;
     let mut task_about = vec![format!(
         "One task per unfinished run of {} ({} of {}), each trained (or resumed) into {out_abs}/RUN.",
         args.sweep,
