@@ -73,7 +73,7 @@ pub fn clip_to<M: Module>(model: &M, grads: &mut GradientsParams, max_norm: f64,
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train::step::lm_loss;
+    use crate::train::loss::lm_loss;
     use burn::tensor::{Device, Int, TensorData};
     use diffzoo_datasets::LmBatch;
     use diffzoo_models::{AttentionKind, Model, ModelConfig};

@@ -457,7 +457,7 @@ mod tests {
         let batch = &item.micro[0];
         // Cut after the last scored target of any: the 7-token conversation's sixth.
         assert_eq!(batch.inputs.dims(), [3, 6]);
-        let got = crate::train::step::lm_loss(&model, batch).into_scalar::<f64>();
+        let got = crate::train::loss::lm_loss(&model, batch).into_scalar::<f64>();
         // Each alone, unpadded: the mean over its scored targets; the batch, the mean of those.
         let alone = |ids: &[i64], scored: &[usize]| {
             let n = ids.len() - 1;

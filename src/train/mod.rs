@@ -19,6 +19,7 @@ mod dashboard;
 pub mod grads;
 pub mod loader;
 pub mod lock;
+pub mod loss;
 pub mod metrics;
 #[cfg(test)]
 mod parity;

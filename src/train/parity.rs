@@ -1,7 +1,7 @@
 //! One optimizer step — loss, averaged and clipped gradients, the AdamW update — gives the same
 //! numbers on every backend compiled in as on Flex, the reference, for every variant.
 
-use super::{grads, optimizer, step::lm_loss};
+use super::{grads, loss::lm_loss, optimizer};
 use crate::{device, recipe};
 use burn::module::{Module, Param};
 use burn::optim::GradientsParams;

@@ -7,6 +7,7 @@
 use super::control::{Control, Intervals};
 use super::grads;
 use super::loader::StepBatch;
+use super::loss::{batch_loss, lm_loss};
 use super::metrics::{LogRecord, MetricsLog, StepStats};
 use super::schedule::Schedule;
 use super::signals;
@@ -16,36 +17,10 @@ use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType, FloatDType, Gradients, Tensor};
 use burn::train::{InferenceStep, Interrupter, TrainOutput, TrainStep};
 use diffzoo_datasets::LmBatch;
-use diffzoo_models::cross_entropy::cross_entropy;
 use diffzoo_models::profile::{self, Pass};
-use diffzoo_models::{AttentionImpl, Model, compute_copy, target_log_probs};
+use diffzoo_models::{AttentionImpl, Model, compute_copy};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Instant;
-
-/// Mean next-token cross-entropy of a batch, in f32 whatever the model's dtype. With scored
-/// targets (`LmBatch::scored`, e.g. recall answers only) each window's loss is the mean over its
-/// scored targets and the batch's the mean over windows: every window weighs the same, whatever
-/// the micro-batch size, and with every target scored this is the plain mean (windows have one
-/// length).
-pub fn lm_loss(model: &Model, batch: &LmBatch) -> Tensor<1> {
-    batch_loss(model.forward(batch.inputs.clone()), batch)
-}
-
-/// [`lm_loss`] of the model's `logits` for `batch`.
-fn batch_loss(logits: Tensor<3>, batch: &LmBatch) -> Tensor<1> {
-    let logits = logits.cast(DType::F32);
-    if let Some(scored) = &batch.scored {
-        let scored = scored.clone().cast(DType::F32);
-        let nll = target_log_probs(logits, batch.targets.clone()).neg();
-        let per_window = (nll * scored.clone()).sum_dim(1) / scored.sum_dim(1);
-        return per_window.mean();
-    }
-    let [b, s, v] = logits.dims();
-    cross_entropy(
-        logits.reshape([b * s, v]),
-        batch.targets.clone().reshape([b * s]),
-    )
-}
 
 /// Mean loss and token count over micro-batches, each micro-batch's loss from `loss`.
 fn over_batches(batches: &[LmBatch], mut loss: impl FnMut(&LmBatch) -> Tensor<1>) -> (f64, usize) {
