@@ -550,13 +550,7 @@ fn over_seeds(args: &TrainArgs, name: &str, seeds: &[u64]) -> Result<Outcome> {
 fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Result<Outcome> {
     let resolved = recipe::resolve(&args.recipe, &args.overrides)?;
     let recipe = &resolved.recipe;
-    let dashboard = !args.no_dashboard && std::io::stdout().is_terminal();
-    if !args.no_dashboard && !dashboard {
-        say!(
-            "the dashboard is off: standard output is not a terminal; a line every {} steps (training.log_every)",
-            recipe.training.log_every
-        );
-    }
+    let dashboard = dashboard_shown(args, recipe);
     for note in &resolved.notes {
         say!("{}: {note}", resolved.source);
     }
@@ -576,25 +570,13 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
     let model = initial_model(args, &resolved, &train_device)?;
 
     // What the user gave is checked: from here on the run directory is written.
-    if args.resume && !dir.join(layout::RECIPE).exists() {
-        bail!(
-            "{} is not a run directory to resume (no {})",
-            dir.display(),
-            layout::RECIPE
-        );
-    }
-    let mut lock = lock::RunLock::take(&dir)?;
-    let resume_from = prepare_run_dir(&dir, recipe, &data.tokenizer, args.resume)?;
-    lock.claim()?;
-    RunEnd::clear(&dir)?;
-    *claimed = Some((dir.clone(), lock));
-    let total = recipe.total_steps();
+    let resume_from = claim_run_dir(args, &dir, recipe, &data.tokenizer, claimed)?;
     // The epochs left end at multiples of the interval (a stopped run's checkpoint may not).
     let intervals = Intervals {
         first_epoch: resume_from.number + 1,
         first_step: resume_from.step,
         interval: recipe.checkpoint.interval,
-        total,
+        total: recipe.total_steps(),
     };
     let interrupter = Interrupter::new();
     let context = step_context(
@@ -612,37 +594,13 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
     };
     announce(&resolved, &spec, &dir, shares, ranks, &resume_from);
 
-    let (train_loader, valid_loader, strategy) =
-        loaders(recipe, data, intervals, devices, train_device, &context);
+    let batches = loaders(recipe, data, intervals, devices, train_device, &context);
     let checkpoints = CheckpointWriter::new(
         &dir.join(layout::CHECKPOINTS),
         (resume_from.number > 0).then_some(resume_from),
         context.control.clone(),
     );
-    let mut training =
-        SupervisedTraining::new(&dir, Arc::new(train_loader), Arc::new(valid_loader))
-            .metric_train(StepMetric::new(total, recipe.checkpoint.interval))
-            .metric_train_numeric(StatMetric::loss())
-            .metric_valid_numeric(StatMetric::loss())
-            .metric_train_numeric(StatMetric::perplexity())
-            .metric_valid_numeric(StatMetric::perplexity())
-            .metric_train_numeric(LearningRateMetric::new())
-            .metric_train_numeric(StatMetric::tokens_per_sec())
-            .metric_train_numeric(StatMetric::grad_norm())
-            .with_custom_checkpointers(
-                checkpoints.part(checkpoint::PARTS[0]),
-                checkpoints.part(checkpoint::PARTS[1]),
-                checkpoints.part(checkpoint::PARTS[2]),
-            )
-            .with_checkpointing_strategy(KeepLastNCheckpoints::new(recipe.checkpoint.keep))
-            .with_interrupter(interrupter)
-            .with_training_strategy(strategy.into())
-            .num_epochs(intervals.last_epoch());
-    if recipe.model.attention == diffzoo_models::AttentionKind::Diff {
-        for layer in 0..recipe.model.layers {
-            training = training.metric_train_numeric(StatMetric::lambda(layer));
-        }
-    }
+    let mut training = supervised(recipe, &dir, intervals, batches, &checkpoints, interrupter);
     // Before the dashboard takes the terminal: an exit at once restores the terminal as it is now.
     signals::install(dashboard);
     // The dashboard's stop goes through the context, which pauses every device at one step.
@@ -672,6 +630,80 @@ fn train(args: &TrainArgs, claimed: &mut Option<(PathBuf, lock::RunLock)>) -> Re
         scheduler,
     ));
     finish(args, recipe, &dir, &context, &checkpoints, result)
+}
+
+/// Whether the dashboard shows (asked for, on a terminal); says why not where it was asked for.
+fn dashboard_shown(args: &TrainArgs, recipe: &Recipe) -> bool {
+    let dashboard = !args.no_dashboard && std::io::stdout().is_terminal();
+    if !args.no_dashboard && !dashboard {
+        say!(
+            "the dashboard is off: standard output is not a terminal; a line every {} steps (training.log_every)",
+            recipe.training.log_every
+        );
+    }
+    dashboard
+}
+
+/// Makes `dir` this run's: refuses a `--resume` of what is not a run directory, takes its lock,
+/// prepares it (see [`prepare_run_dir`]) and clears the last run's outcome; `claimed` then holds
+/// the directory and its lock. Returns the checkpoint to resume from (number 0: a fresh run).
+fn claim_run_dir(
+    args: &TrainArgs,
+    dir: &Path,
+    recipe: &Recipe,
+    tokenizer: &TextTokenizer,
+    claimed: &mut Option<(PathBuf, lock::RunLock)>,
+) -> Result<Verified> {
+    if args.resume && !dir.join(layout::RECIPE).exists() {
+        bail!(
+            "{} is not a run directory to resume (no {})",
+            dir.display(),
+            layout::RECIPE
+        );
+    }
+    let mut lock = lock::RunLock::take(dir)?;
+    let resume_from = prepare_run_dir(dir, recipe, tokenizer, args.resume)?;
+    lock.claim()?;
+    RunEnd::clear(dir)?;
+    *claimed = Some((dir.to_path_buf(), lock));
+    Ok(resume_from)
+}
+
+/// The learner's paradigm for a run in `dir`: the [`loaders`] and their strategy, the metrics
+/// (λ per layer for DIFF V1), the verified checkpoints kept as the recipe says, `interrupter` to
+/// stop it, as many epochs as `intervals` leave.
+fn supervised(
+    recipe: &Recipe,
+    dir: &Path,
+    intervals: Intervals,
+    (train, valid, strategy): (StepLoader, StepLoader, ExecutionStrategy),
+    checkpoints: &Arc<CheckpointWriter>,
+    interrupter: Interrupter,
+) -> SupervisedTraining<Trainee> {
+    let mut training = SupervisedTraining::new(dir, Arc::new(train), Arc::new(valid))
+        .metric_train(StepMetric::new(intervals.total, recipe.checkpoint.interval))
+        .metric_train_numeric(StatMetric::loss())
+        .metric_valid_numeric(StatMetric::loss())
+        .metric_train_numeric(StatMetric::perplexity())
+        .metric_valid_numeric(StatMetric::perplexity())
+        .metric_train_numeric(LearningRateMetric::new())
+        .metric_train_numeric(StatMetric::tokens_per_sec())
+        .metric_train_numeric(StatMetric::grad_norm())
+        .with_custom_checkpointers(
+            checkpoints.part(checkpoint::PARTS[0]),
+            checkpoints.part(checkpoint::PARTS[1]),
+            checkpoints.part(checkpoint::PARTS[2]),
+        )
+        .with_checkpointing_strategy(KeepLastNCheckpoints::new(recipe.checkpoint.keep))
+        .with_interrupter(interrupter)
+        .with_training_strategy(strategy.into())
+        .num_epochs(intervals.last_epoch());
+    if recipe.model.attention == diffzoo_models::AttentionKind::Diff {
+        for layer in 0..recipe.model.layers {
+            training = training.metric_train_numeric(StatMetric::lambda(layer));
+        }
+    }
+    training
 }
 
 /// What every step of a run in `dir` reports to and computes with: the recipe's schedule,
