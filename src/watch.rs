@@ -538,112 +538,11 @@ fn dashboard(
                 Constraint::Length(1),
             ])
             .areas(frame.area());
-            let body = rows.iter().map(|r| {
-                let color = match r.state.as_str() {
-                    "running" => Color::Green,
-                    "failed" => Color::Red,
-                    "stopped" => Color::Yellow,
-                    _ => Color::Reset,
-                };
-                let mut cells = cells(r);
-                if marks.holds(&r.dir) {
-                    cells[0] = format!("● {}", cells[0]);
-                } else {
-                    cells[0] = format!("  {}", cells[0]);
-                }
-                Row::new(cells).style(Style::default().fg(color))
-            });
-            let widths = [
-                Constraint::Fill(3),
-                Constraint::Fill(2),
-                Constraint::Length(13),
-                Constraint::Length(8),
-                Constraint::Length(8),
-                Constraint::Length(8),
-                Constraint::Length(7),
-                Constraint::Length(8),
-            ];
-            let runs_table = Table::new(body, widths)
-                .header(Row::new(HEADER).style(Style::default().add_modifier(Modifier::BOLD)))
-                .row_highlight_style(Style::default().add_modifier(Modifier::REVERSED))
-                .block(Block::bordered().title(format!(" {} runs ", rows.len())));
-            frame.render_stateful_widget(runs_table, top, &mut selected);
-
-            let curves: Vec<(&str, Points, Points)> = runs
-                .runs
-                .iter()
-                .filter(|(dir, _)| marks.holds(dir))
-                .map(|(_, w)| {
-                    let train = thinned(&w.log.losses, 1000);
-                    (w.name.as_str(), train, thinned(&w.log.val_losses, 1000))
-                })
-                .collect();
-            let (mut x_max, mut y_min, mut y_max) = (1.0f64, f64::INFINITY, f64::NEG_INFINITY);
-            for (_, train, validation) in &curves {
-                for &(x, y) in train.iter().chain(validation) {
-                    x_max = x_max.max(x);
-                    y_min = y_min.min(y);
-                    y_max = y_max.max(y);
-                }
-            }
-            if !y_min.is_finite() {
-                (y_min, y_max) = (0.0, 1.0);
-            }
-            // A flat curve (or one point) needs a range to be drawn in.
-            if y_max - y_min < 1e-6 {
-                (y_min, y_max) = (y_min - 0.5, y_max + 0.5);
-            }
-            let datasets = curves
-                .iter()
-                .enumerate()
-                .flat_map(|(i, (name, train, validation))| {
-                    let style = Style::default().fg(COLORS[i % COLORS.len()]);
-                    [
-                        Dataset::default()
-                            .name(name.to_string())
-                            .marker(symbols::Marker::Braille)
-                            .graph_type(GraphType::Line)
-                            .style(style)
-                            .data(train),
-                        Dataset::default()
-                            .marker(symbols::Marker::Dot)
-                            .graph_type(GraphType::Scatter)
-                            .style(style.add_modifier(Modifier::BOLD))
-                            .data(validation),
-                    ]
-                })
-                .collect();
-            let chart = Chart::new(datasets)
-                .block(
-                    Block::bordered()
-                        .title(" loss of the marked runs: training (line), validation (dots) "),
-                )
-                .x_axis(Axis::default().title("step").bounds([0.0, x_max]).labels([
-                    "0".to_string(),
-                    format!("{:.0}", x_max / 2.0),
-                    format!("{x_max:.0}"),
-                ]))
-                .y_axis(
-                    Axis::default()
-                        .title("loss")
-                        .bounds([y_min, y_max])
-                        .labels([y_min, (y_min + y_max) / 2.0, y_max].map(|v| format!("{v:.3}"))),
-                );
-            frame.render_widget(chart, bottom);
-            // A directory's problem, else why the selected run failed or stopped.
-            let red = Style::default().fg(Color::Red);
-            let line = match (
-                problems.first(),
-                selected.selected().and_then(|i| rows.get(i)),
-            ) {
-                (Some(problem), _) => Line::styled(problem.clone(), red),
-                (None, Some(r)) if r.state != "running" && r.detail.is_some() => Line::styled(
-                    format!("{}: {}", r.run, r.detail.as_deref().unwrap_or_default()),
-                    red,
-                ),
-                _ => Line::default(),
-            };
-            frame.render_widget(Paragraph::new(line), note);
+            frame.render_stateful_widget(runs_table(rows, &marks), top, &mut selected);
+            let curves = curves(runs, &marks);
+            frame.render_widget(loss_chart(&curves), bottom);
+            let chosen = selected.selected().and_then(|i| rows.get(i));
+            frame.render_widget(Paragraph::new(note_line(&problems, chosen)), note);
             let keys = format!(
                 "↑/↓ select · space mark · a mark all · n mark none · q quit · every {}s",
                 args.interval
@@ -673,6 +572,121 @@ fn dashboard(
                 _ => {}
             }
         }
+    }
+}
+
+/// The runs' table: a row per run, coloured by its state, its name marked ● when its curve is
+/// drawn.
+fn runs_table(rows: &[RunRow], marks: &Marks) -> Table<'static> {
+    let body = rows.iter().map(|r| {
+        let color = match r.state.as_str() {
+            "running" => Color::Green,
+            "failed" => Color::Red,
+            "stopped" => Color::Yellow,
+            _ => Color::Reset,
+        };
+        let mut cells = cells(r);
+        if marks.holds(&r.dir) {
+            cells[0] = format!("● {}", cells[0]);
+        } else {
+            cells[0] = format!("  {}", cells[0]);
+        }
+        Row::new(cells).style(Style::default().fg(color))
+    });
+    let widths = [
+        Constraint::Fill(3),
+        Constraint::Fill(2),
+        Constraint::Length(13),
+        Constraint::Length(8),
+        Constraint::Length(8),
+        Constraint::Length(8),
+        Constraint::Length(7),
+        Constraint::Length(8),
+    ];
+    Table::new(body, widths)
+        .header(Row::new(HEADER).style(Style::default().add_modifier(Modifier::BOLD)))
+        .row_highlight_style(Style::default().add_modifier(Modifier::REVERSED))
+        .block(Block::bordered().title(format!(" {} runs ", rows.len())))
+}
+
+/// The marked runs' curves: name, training losses, validation losses (each thinned).
+fn curves<'a>(runs: &'a Runs, marks: &Marks) -> Vec<(&'a str, Points, Points)> {
+    runs.runs
+        .iter()
+        .filter(|(dir, _)| marks.holds(dir))
+        .map(|(_, w)| {
+            let train = thinned(&w.log.losses, 1000);
+            (w.name.as_str(), train, thinned(&w.log.val_losses, 1000))
+        })
+        .collect()
+}
+
+/// The chart of `curves`: training as lines, validation as dots, one colour per run, the axes
+/// spanning every point.
+fn loss_chart<'a>(curves: &'a [(&'a str, Points, Points)]) -> Chart<'a> {
+    let (mut x_max, mut y_min, mut y_max) = (1.0f64, f64::INFINITY, f64::NEG_INFINITY);
+    for (_, train, validation) in curves {
+        for &(x, y) in train.iter().chain(validation) {
+            x_max = x_max.max(x);
+            y_min = y_min.min(y);
+            y_max = y_max.max(y);
+        }
+    }
+    if !y_min.is_finite() {
+        (y_min, y_max) = (0.0, 1.0);
+    }
+    // A flat curve (or one point) needs a range to be drawn in.
+    if y_max - y_min < 1e-6 {
+        (y_min, y_max) = (y_min - 0.5, y_max + 0.5);
+    }
+    let datasets = curves
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (name, train, validation))| {
+            let style = Style::default().fg(COLORS[i % COLORS.len()]);
+            [
+                Dataset::default()
+                    .name(name.to_string())
+                    .marker(symbols::Marker::Braille)
+                    .graph_type(GraphType::Line)
+                    .style(style)
+                    .data(train),
+                Dataset::default()
+                    .marker(symbols::Marker::Dot)
+                    .graph_type(GraphType::Scatter)
+                    .style(style.add_modifier(Modifier::BOLD))
+                    .data(validation),
+            ]
+        })
+        .collect();
+    Chart::new(datasets)
+        .block(
+            Block::bordered()
+                .title(" loss of the marked runs: training (line), validation (dots) "),
+        )
+        .x_axis(Axis::default().title("step").bounds([0.0, x_max]).labels([
+            "0".to_string(),
+            format!("{:.0}", x_max / 2.0),
+            format!("{x_max:.0}"),
+        ]))
+        .y_axis(
+            Axis::default()
+                .title("loss")
+                .bounds([y_min, y_max])
+                .labels([y_min, (y_min + y_max) / 2.0, y_max].map(|v| format!("{v:.3}"))),
+        )
+}
+
+/// A directory's problem, else why the `selected` run failed or stopped.
+fn note_line(problems: &[String], selected: Option<&RunRow>) -> Line<'static> {
+    let red = Style::default().fg(Color::Red);
+    match (problems.first(), selected) {
+        (Some(problem), _) => Line::styled(problem.clone(), red),
+        (None, Some(r)) if r.state != "running" && r.detail.is_some() => Line::styled(
+            format!("{}: {}", r.run, r.detail.as_deref().unwrap_or_default()),
+            red,
+        ),
+        _ => Line::default(),
     }
 }
 

@@ -114,6 +114,41 @@ fn boundaries(sizes: &[u64], count: usize) -> Vec<usize> {
 /// and one set of options, and writes `out/manifest.json` (and `out/tokenizer.json`) over their
 /// shards. Returns the merged manifest and the number of parts.
 pub fn merge(out: &Path) -> Result<(Manifest, usize)> {
+    let parts = parts_in(out)?;
+    let count = complete(out, &parts)?;
+    let first = &parts[0].1;
+    let tokenizer = first.tokenizer()?;
+    let reference = &first.manifest;
+    let mut merged = Manifest {
+        part: None,
+        input_bytes: 0,
+        train: SplitInfo::default(),
+        validation: SplitInfo::default(),
+        skipped: Vec::new(),
+        ..reference.clone()
+    };
+    for (index, shards) in &parts {
+        same_preparation(reference, shards)?;
+        shards.tokenizer()?;
+        add_part(&mut merged, *index, shards)?;
+    }
+    if merged.split_rule != SplitRule::Sha256 && count > 1 {
+        return Err(DataError::shards(
+            out,
+            "the parts split validation by position, which depends on the partition; prepare them with `diffzoo data prepare`",
+        ));
+    }
+    if merged.train.tokens == 0 {
+        return Err(DataError::shards(out, "the parts hold no training tokens"));
+    }
+    tokenizer.save(&out.join(TOKENIZER))?;
+    let json = serde_json::to_string_pretty(&merged).expect("manifest serializes");
+    write_atomically(&out.join(MANIFEST), json.as_bytes())?;
+    Ok((merged, count))
+}
+
+/// The `part-I` directories in `out`, by index, each a part whose manifest says it is part I.
+fn parts_in(out: &Path) -> Result<Vec<(usize, Shards)>> {
     let mut parts: Vec<(usize, Shards)> = Vec::new();
     let entries = std::fs::read_dir(out).map_err(DataError::io(out))?;
     for entry in entries {
@@ -142,14 +177,24 @@ pub fn merge(out: &Path) -> Result<(Manifest, usize)> {
         parts.push((index, shards));
     }
     parts.sort_by_key(|(index, _)| *index);
+    Ok(parts)
+}
+
+/// The number of parts part 0 says the preparation has, where `parts` (by index) are all of
+/// them and no others.
+fn complete(out: &Path, parts: &[(usize, Shards)]) -> Result<usize> {
     let Some((_, first)) = parts.first() else {
         return Err(DataError::shards(
             out,
             "holds no part-I directories; prepare them with `diffzoo data prepare --part I/N`",
         ));
     };
-    let reference = first.manifest.clone();
-    let count = reference.part.as_ref().expect("checked above").count;
+    let count = first
+        .manifest
+        .part
+        .as_ref()
+        .expect("checked by parts_in")
+        .count;
     if let Some((index, shards)) = parts.iter().find(|(index, _)| *index >= count) {
         return Err(DataError::shards(
             &shards.dir,
@@ -175,104 +220,91 @@ pub fn merge(out: &Path) -> Result<(Manifest, usize)> {
             ),
         ));
     }
-    let tokenizer = first.tokenizer()?;
-    let mut merged = Manifest {
-        part: None,
-        input_bytes: 0,
-        train: SplitInfo::default(),
-        validation: SplitInfo::default(),
-        skipped: Vec::new(),
-        ..reference.clone()
+    Ok(count)
+}
+
+/// Checks that the part in `shards` was prepared as the one whose manifest is `reference` (part
+/// 0): one tokenizer, dtype, validation split and input list.
+fn same_preparation(reference: &Manifest, shards: &Shards) -> Result<()> {
+    let manifest = &shards.manifest;
+    let differs = |what: &str, theirs: String, ours: String| {
+        Err(DataError::shards(
+            &shards.dir,
+            format!("{what} {theirs}, but part 0 has {ours}: the parts are not of one preparation"),
+        ))
     };
-    for (index, shards) in &parts {
-        let manifest = &shards.manifest;
-        let part = manifest.part.as_ref().expect("checked above");
-        let differs = |what: &str, theirs: String, ours: String| {
-            DataError::shards(
-                &shards.dir,
-                format!(
-                    "{what} {theirs}, but part 0 has {ours}: the parts are not of one preparation"
-                ),
-            )
-        };
-        if manifest.tokenizer != reference.tokenizer {
-            return Err(differs(
-                "tokenizer",
-                manifest.tokenizer.hash.clone(),
-                reference.tokenizer.hash.clone(),
-            ));
-        }
-        if manifest.dtype != reference.dtype {
-            return Err(differs(
-                "dtype",
-                format!("{:?}", manifest.dtype),
-                format!("{:?}", reference.dtype),
-            ));
-        }
-        if (manifest.validation_every, manifest.split_rule)
-            != (reference.validation_every, reference.split_rule)
-        {
-            return Err(differs(
-                "validation split",
-                format!(
-                    "every {} ({:?})",
-                    manifest.validation_every, manifest.split_rule
-                ),
-                format!(
-                    "every {} ({:?})",
-                    reference.validation_every, reference.split_rule
-                ),
-            ));
-        }
-        let first_part = reference.part.as_ref().expect("checked above");
-        if (part.count, &part.inputs) != (first_part.count, &first_part.inputs) {
-            return Err(differs(
-                "input list",
-                format!("{} of {} parts", part.inputs, part.count),
-                format!("{} of {} parts", first_part.inputs, first_part.count),
-            ));
-        }
-        shards.tokenizer()?;
-        let prefix = format!("part-{index}");
-        let overflow = || {
-            DataError::shards(
-                &shards.dir,
-                "token, document or byte counts overflow when added to the other parts'",
-            )
-        };
-        let relocate = |split: &SplitInfo, into: &mut SplitInfo| -> Result<()> {
-            into.tokens = into.tokens.checked_add(split.tokens).ok_or_else(overflow)?;
-            into.documents = into
-                .documents
-                .checked_add(split.documents)
-                .ok_or_else(overflow)?;
-            into.shards.extend(split.shards.iter().map(|s| ShardInfo {
-                file: format!("{prefix}/{}", s.file),
-                ..s.clone()
-            }));
-            Ok(())
-        };
-        relocate(&manifest.train, &mut merged.train)?;
-        relocate(&manifest.validation, &mut merged.validation)?;
-        merged.input_bytes = merged
-            .input_bytes
-            .checked_add(manifest.input_bytes)
+    if manifest.tokenizer != reference.tokenizer {
+        return differs(
+            "tokenizer",
+            manifest.tokenizer.hash.clone(),
+            reference.tokenizer.hash.clone(),
+        );
+    }
+    if manifest.dtype != reference.dtype {
+        return differs(
+            "dtype",
+            format!("{:?}", manifest.dtype),
+            format!("{:?}", reference.dtype),
+        );
+    }
+    if (manifest.validation_every, manifest.split_rule)
+        != (reference.validation_every, reference.split_rule)
+    {
+        return differs(
+            "validation split",
+            format!(
+                "every {} ({:?})",
+                manifest.validation_every, manifest.split_rule
+            ),
+            format!(
+                "every {} ({:?})",
+                reference.validation_every, reference.split_rule
+            ),
+        );
+    }
+    let part = manifest.part.as_ref().expect("checked by parts_in");
+    let first = reference.part.as_ref().expect("checked by parts_in");
+    if (part.count, &part.inputs) != (first.count, &first.inputs) {
+        return differs(
+            "input list",
+            format!("{} of {} parts", part.inputs, part.count),
+            format!("{} of {} parts", first.inputs, first.count),
+        );
+    }
+    Ok(())
+}
+
+/// Adds part `index` (in `shards`) to `merged`: its splits' counts and shards (their files
+/// named under `part-I/`), input bytes and what it skipped.
+fn add_part(merged: &mut Manifest, index: usize, shards: &Shards) -> Result<()> {
+    let manifest = &shards.manifest;
+    let prefix = format!("part-{index}");
+    let overflow = || {
+        DataError::shards(
+            &shards.dir,
+            "token, document or byte counts overflow when added to the other parts'",
+        )
+    };
+    let relocate = |split: &SplitInfo, into: &mut SplitInfo| -> Result<()> {
+        into.tokens = into.tokens.checked_add(split.tokens).ok_or_else(overflow)?;
+        into.documents = into
+            .documents
+            .checked_add(split.documents)
             .ok_or_else(overflow)?;
-        merged.skipped.extend(manifest.skipped.iter().cloned());
-    }
-    if merged.split_rule != SplitRule::Sha256 && count > 1 {
-        return Err(DataError::shards(
-            out,
-            "the parts split validation by position, which depends on the partition; prepare them with `diffzoo data prepare`",
-        ));
-    }
-    if merged.train.tokens == 0 {
-        return Err(DataError::shards(out, "the parts hold no training tokens"));
-    }
-    tokenizer.save(&out.join(TOKENIZER))?;
-    let json = serde_json::to_string_pretty(&merged).expect("manifest serializes");
-    write_atomically(&out.join(MANIFEST), json.as_bytes())?;
-    Ok((merged, count))
+        into.shards.extend(split.shards.iter().map(|s| ShardInfo {
+            file: format!("{prefix}/{}", s.file),
+            ..s.clone()
+        }));
+        Ok(())
+    };
+    relocate(&manifest.train, &mut merged.train)?;
+    relocate(&manifest.validation, &mut merged.validation)?;
+    merged.input_bytes = merged
+        .input_bytes
+        .checked_add(manifest.input_bytes)
+        .ok_or_else(overflow)?;
+    merged.skipped.extend(manifest.skipped.iter().cloned());
+    Ok(())
 }
 
 #[cfg(test)]
