@@ -20,6 +20,15 @@ third of transformers' own training step on the same shape (measured 2026-12-05,
 Flushed, the reference trains as fast as transformers there; its loss is unchanged to f32
 precision.
 
+The reference's forward pass is itself checked, in the same run: for the baseline (`transformer`),
+transformers' own class of that architecture (`LlamaForCausalLM`, or `Qwen2ForCausalLM` with
+q/k/v biases) is built on the same shape (its parameter count checked against the reference's),
+dtype, threads and attention implementation (`sdpa` or `eager`), and its forward pass timed the
+same way, after the reference's figures and before any profiling. Its weights are random: a
+forward pass's speed does not depend on their values (subnormals are flushed). `diffzoo bench`
+warns when the reference is more than 20% slower than transformers (a bug in the reference, whose
+ratios would then flatter ours) or could not be checked. The training step is not checked.
+
 With `--profile`, after the timed steps, `--reps` more run under `torch.profiler` with the
 operations labelled by diffzoo's classes (`diffzoo bench --profile`): the linear layers' products
 (matmul), the attention core, RMSNorm, RoPE, SwiGLU's gate (activation), the embedding and the loss,
@@ -318,6 +327,8 @@ def measure(args, attention, device, dtype):
     timed_phases = phases[len(phases) - args.reps:]
     peak = memory.peak()
     forward_s = timed(forward, args.warmup, args.reps, sync)
+    # Before the profile's labels, which cost a little per call.
+    checked = transformers_forward(args, device, dtype, params) if attention == "transformer" else None
     step_profile = None
     if args.profile:  # after every timed figure: the labels cost a little per call
         label_classes()
@@ -348,6 +359,55 @@ def measure(args, attention, device, dtype):
             name: statistics.median(p[i] for p in timed_phases)
             for i, name in enumerate(["forward_backward", "clipping", "optimizer"])
         },
+        "transformers": checked,
+    }
+
+
+def transformers_forward(args, device, dtype, params):
+    """transformers' own baseline on this shape: its forward speed checks the reference's, whose
+    model has `params` parameters (see the module doc); or why it could not be timed."""
+    try:
+        return timed_transformers(args, device, dtype, params)
+    except Exception as e:  # any failure leaves the reference unchecked, its own figures kept
+        return {"unavailable": f"{type(e).__name__}: {e}"}
+
+
+def timed_transformers(args, device, dtype, params):
+    import transformers
+
+    family = "Qwen2" if args.qkv_bias else "Llama"
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=args.vocab,
+        hidden_size=args.d_model,
+        intermediate_size=args.ffn_dim or 8 * args.d_model // 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads or args.heads,
+        head_dim=args.head_dim or args.d_model // args.heads,
+        tie_word_embeddings=args.tie_embeddings,
+        max_position_embeddings=max(args.seq, 2048),
+        attn_implementation="sdpa" if IMPL == "sdpa" else "eager",
+    )
+    torch.manual_seed(args.seed)
+    model = getattr(transformers, f"{family}ForCausalLM")(config).to(device=device, dtype=dtype).eval()
+    theirs = sum(p.numel() for p in model.parameters())  # a tied head's weight counted once
+    if theirs != params:
+        return {"unavailable": f"transformers' {type(model).__name__} of this shape has {theirs} parameters, "
+                               f"the reference {params}: not the same model"}
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    inputs = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+
+    def forward():
+        with torch.no_grad():
+            model(inputs, use_cache=False).logits.sum().item()
+
+    times = timed(forward, args.warmup, args.reps, sync)
+    n = args.batch * args.seq
+    return {
+        "class": type(model).__name__,
+        "version": transformers.__version__,
+        "forward_tokens_per_sec": n / statistics.median(times),
+        "forward_spread": spread(n, times),
     }
 
 

@@ -16,13 +16,15 @@
 //! size before the model was built, and no figure for LibTorch on CUDA. Children run with
 //! `RAYON_NUM_THREADS` and `OMP_NUM_THREADS` (LibTorch's) set to the thread count PyTorch gets.
 //! `bench/torch_reference.py` measures PyTorch the same way; `--torch` runs it with the same
-//! shapes and thread count and prints diffzoo / PyTorch ratios.
+//! shapes and thread count and prints diffzoo / PyTorch ratios, the reference's forward pass
+//! checked against transformers' own class on the same shape ([`reference`]).
 //!
 //! Each figure comes with the spread of its repetitions and the CPU time other processes took
 //! while it was measured; the report names the CPU and warns where a figure should not be
 //! believed ([`trust`]).
 
 mod profile;
+mod reference;
 mod roofline;
 
 use crate::device;
@@ -99,7 +101,8 @@ pub struct BenchArgs {
     /// A GPU (h100, h200, a100) whose dense bf16 peak turns training FLOP/s into MFU.
     #[arg(long)]
     pub gpu: Option<String>,
-    /// Also measure PyTorch eager (bench/torch_reference.py) and print diffzoo / PyTorch ratios.
+    /// Also measure PyTorch eager (bench/torch_reference.py) and print diffzoo / PyTorch ratios;
+    /// the reference's forward pass is checked against transformers' own class on the same shape.
     #[arg(long)]
     pub torch: bool,
     /// Also measure the machine's limits on the first device — matmul peak in f32 and bf16
@@ -266,6 +269,9 @@ pub struct Measurement {
     /// Where its passes' time goes by class of operation (`--profile`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profile: Option<StepProfile>,
+    /// transformers' own baseline timed beside PyTorch's (the reference's baseline only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transformers: Option<reference::Transformers>,
 }
 
 /// A training step's phases, each the median over the timed repetitions, in seconds.
@@ -704,8 +710,9 @@ fn print_roofline(args: &BenchArgs, roofline: &Roofline, rows: &[Row]) {
     }
 }
 
-/// The report's warnings ([`trust::warnings`]): the load before the run, and each measured
-/// figure's competition and spread, ours and PyTorch's.
+/// The report's warnings ([`trust::warnings`]): the load before the run, each measured figure's
+/// competition and spread (ours, PyTorch's and transformers' beside it), and a reference that
+/// transformers shows wrong or that could not be checked ([`reference::warning`]).
 fn report_warnings(
     load_before: Option<f64>,
     rows: &[Row],
@@ -732,7 +739,18 @@ fn report_warnings(
             add(format!("PyTorch {device}"), m, run.competing_cores);
         }
     }
-    trust::warnings(load_before, &figures)
+    figures.extend(
+        torch
+            .iter()
+            .filter_map(|(device, run)| reference::figure(device, run)),
+    );
+    let mut warnings = trust::warnings(load_before, &figures);
+    warnings.extend(
+        torch
+            .iter()
+            .filter_map(|(device, run)| reference::warning(device, run)),
+    );
+    warnings
 }
 
 fn print_table(args: &BenchArgs, shape: &Shape, torch: &[(String, TorchRun)], rows: &[Row]) {
@@ -772,6 +790,7 @@ fn print_table(args: &BenchArgs, shape: &Shape, torch: &[(String, TorchRun)], ro
             "PyTorch {} on {} ({} attention, {} threads)",
             run.torch, run.device, run.attention_impl, run.threads
         );
+        println!("{}", reference::line(run));
     }
     let mib = |b: Option<u64>| b.map_or("-".into(), |b| format!("{:.0}", b as f64 / 1048576.0));
     let ratio = |r: Option<f64>| r.map_or("-".into(), |r| format!("{r:.2}"));
@@ -988,6 +1007,7 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
         peak_bytes,
         step_phases: StepPhases::of(&phases[..args.warmup + args.reps], args.reps),
         profile: step_profile,
+        transformers: None,
     };
     println!("{}", serde_json::to_string(&measurement)?);
     Ok(())
@@ -1190,6 +1210,7 @@ mod tests {
             competing_cores: None,
             step_phases: None,
             profile: None,
+            transformers: None,
         }
     }
 

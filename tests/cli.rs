@@ -2748,11 +2748,8 @@ fn bench_measures_every_variant_and_compares_with_a_torch_harness() {
 
     // The PyTorch side through a stand-in for Python that prints what the harness would.
     let dir = tempfile::tempdir().unwrap();
-    let fake = |params: u64| {
-        let script = dir.path().join(format!("python-{params}"));
-        let result = format!(
-            r#"{{"attention":"diff","params":{params},"forward_tokens_per_sec":1000.0,"step_tokens_per_sec":100.0,"peak_bytes":1000,"step_phases":{{"forward_backward":0.5,"clipping":0.25,"optimizer":0.125}}}}"#
-        );
+    let harness = |name: &str, result: &str| {
+        let script = dir.path().join(name);
         std::fs::write(
             &script,
             format!(
@@ -2766,6 +2763,14 @@ fn bench_measures_every_variant_and_compares_with_a_torch_harness() {
             .status()
             .unwrap();
         script
+    };
+    let fake = |params: u64| {
+        harness(
+            &format!("python-{params}"),
+            &format!(
+                r#"{{"attention":"diff","params":{params},"forward_tokens_per_sec":1000.0,"step_tokens_per_sec":100.0,"peak_bytes":1000,"step_phases":{{"forward_backward":0.5,"clipping":0.25,"optimizer":0.125}}}}"#
+            ),
+        )
     };
     let diff = ModelConfig::new(AttentionKind::Diff, 64, 2, 4, 128, 16);
     let right = fake(diff.param_count().total);
@@ -2811,6 +2816,64 @@ fn bench_measures_every_variant_and_compares_with_a_torch_harness() {
         .concat(),
     );
     assert!(err.contains("not the same model"), "{err}");
+
+    // A reference whose forward pass is more than 20% slower than transformers' own class on the
+    // shape is a bug in the reference: the table says how it compares, and the report warns.
+    let base = ModelConfig::new(AttentionKind::Transformer, 64, 2, 4, 128, 16);
+    let slow = harness(
+        "python-slow",
+        &format!(
+            r#"{{"attention":"transformer","params":{},"forward_tokens_per_sec":500.0,"step_tokens_per_sec":100.0,"peak_bytes":null,"transformers":{{"class":"LlamaForCausalLM","version":"5.24.0","forward_tokens_per_sec":1000.0,"forward_spread":{{"min":900.0,"median":1000.0,"max":1100.0}}}}}}"#,
+            base.param_count().total
+        ),
+    );
+    let harnessed = [
+        "bench",
+        "--attention",
+        "transformer",
+        "--torch",
+        "--python",
+        path(&slow),
+    ];
+    let args = [&harnessed[..], &shape[..]].concat();
+    let report = json(&[&args[..], &["--json"]].concat());
+    assert_eq!(
+        report["rows"][0]["torch"]["transformers"]["class"],
+        "LlamaForCausalLM"
+    );
+    let warnings = report["warnings"].to_string();
+    assert!(
+        warnings
+            .contains("0.50× transformers' LlamaForCausalLM on this shape (more than 20% slower)"),
+        "{warnings}"
+    );
+    let table = ok(&args);
+    assert!(
+        table.contains("reference checked: forward 500 tokens/s, 0.50× transformers 5.24.0 LlamaForCausalLM on this shape (1000)"),
+        "{table}"
+    );
+    // One that could not be checked says why, and is warned of.
+    let unchecked = harness(
+        "python-unchecked",
+        &format!(
+            r#"{{"attention":"transformer","params":{},"forward_tokens_per_sec":500.0,"step_tokens_per_sec":100.0,"peak_bytes":null,"transformers":{{"unavailable":"ModuleNotFoundError: No module named transformers"}}}}"#,
+            base.param_count().total
+        ),
+    );
+    let harnessed = [
+        "bench",
+        "--attention",
+        "transformer",
+        "--torch",
+        "--python",
+        path(&unchecked),
+    ];
+    let report = json(&[&harnessed[..], &shape[..], &["--json"]].concat());
+    let warnings = report["warnings"].to_string();
+    assert!(
+        warnings.contains("the reference was not checked against transformers (ModuleNotFoundError: No module named transformers)"),
+        "{warnings}"
+    );
 
     // A run directory's model as it is (an imported one's, say): tied, GQA, its own FFN and
     // head widths and q/k/v biases, and PyTorch asked for the same model.
@@ -3065,6 +3128,15 @@ fn bench_profile_with_torch_profiler() {
             }
         }
         assert!(theirs["forward"]["classes"]["embedding"].as_f64().unwrap() > 0.0);
+        // The reference's baseline is checked against transformers' own Llama on the shape.
+        let transformers = &row["torch"]["transformers"];
+        match row["attention"].as_str().unwrap() {
+            "transformer" => {
+                assert_eq!(transformers["class"], "LlamaForCausalLM", "{row}");
+                assert!(transformers["forward_tokens_per_sec"].as_f64().unwrap() > 0.0);
+            }
+            _ => assert!(transformers.is_null(), "{row}"),
+        }
     }
 }
 
