@@ -35,12 +35,12 @@ use crate::trust::{self, Cpu, Figure, LoadProbe, Spread, median};
 use anyhow::{Context, Result, anyhow, bail};
 use burn::data::dataloader::batcher::Batcher;
 use burn::module::Module;
-use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::FloatDType;
+use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
+use burn::tensor::{Device, FloatDType};
 use clap::Args;
-use diffzoo_datasets::{LmBatcher, Rng};
+use diffzoo_datasets::{LmBatch, LmBatcher, Rng};
 use diffzoo_models::profile as clock;
-use diffzoo_models::{AttentionImpl, AttentionKind, DEFAULT_ATTENTION_BLOCK, ModelConfig};
+use diffzoo_models::{AttentionImpl, AttentionKind, DEFAULT_ATTENTION_BLOCK, Model, ModelConfig};
 use profile::StepProfile;
 use roofline::Roofline;
 use serde::{Deserialize, Serialize};
@@ -919,50 +919,21 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
         })
         .collect();
 
-    let batch = LmBatcher.batch(windows.clone(), &training);
-    let mut optimizer = train::optimizer(&OptimizerSection::default())?;
     // The forward passes run without autodiff, on the initial weights.
     let inference = model.clone().valid();
-    let mut trained = Some(model);
+    let mut stepper = Stepper {
+        model: Some(model),
+        optimizer: train::optimizer(&OptimizerSection::default())?,
+        batch: LmBatcher.batch(windows.clone(), &training),
+        recompute: args.recompute(),
+        device: &device,
+        spec,
+        phases: Vec::new(),
+        pool_peak: None,
+    };
     // Resetting the peak resident set makes it the current one; no figure if that is refused.
     let rss_reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
-    let mut pool_peak = None;
-    let mut phases = Vec::new();
-    let mut one_step = || {
-        let model = trained.take().expect("the model between steps");
-        let started = Instant::now();
-        let mut accumulator = GradientsAccumulator::new();
-        let loss = step::backward(&model, &batch, args.recompute(), None, |grads| {
-            accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
-        });
-        let value = loss.into_scalar::<f32>();
-        if !value.is_finite() {
-            bail!("non-finite loss {value}");
-        }
-        let mut g = accumulator.grads();
-        let sync = || {
-            device
-                .sync()
-                .map_err(|e| anyhow!("{spec}: the step failed: {e:?}"))
-        };
-        sync()?;
-        let backward_done = Instant::now();
-        grads::clip_global_norm(&model, &mut g, 1.0);
-        sync()?;
-        let clipped = Instant::now();
-        trained = Some(optimizer.step(1e-4, model, g));
-        // On a GPU the update is still queued: the step ends when the device is idle.
-        sync()?;
-        phases.push([
-            (backward_done - started).as_secs_f64(),
-            (clipped - backward_done).as_secs_f64(),
-            clipped.elapsed().as_secs_f64(),
-        ]);
-        if let Some(usage) = device.memory_pool_usage() {
-            pool_peak = pool_peak.max(Some(usage.bytes_reserved));
-        }
-        Ok(())
-    };
+    let mut one_step = || stepper.step();
     let step = timed(tokens, args.warmup, args.reps, &mut one_step)?;
     let hwm = proc_status_bytes("VmHWM:");
     // The profiled steps come after the timed ones and their peak: the clock never touches the
@@ -973,11 +944,11 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
     };
     // Host memory says nothing of a GPU's: a GPU backend without a pool report gets no figure.
     let on_cpu = torch_device(spec).as_deref() == Some("cpu");
-    let peak_bytes = pool_peak.or_else(|| {
+    let peak_bytes = stepper.pool_peak.or_else(|| {
         let (base, hwm) = (base?, hwm?);
         (rss_reset && on_cpu).then(|| hwm.saturating_sub(base))
     });
-    drop(trained);
+    drop(stepper.model.take());
     let mut step_profile = booked.map(|booked| {
         let replayed = clock::replay_backward(&booked, &training, args.reps);
         profile::step(&booked, args.reps, &replayed)
@@ -1005,12 +976,66 @@ fn child(args: &BenchArgs, shape: &Shape) -> Result<()> {
         step_spread: Some(step),
         competing_cores: None,
         peak_bytes,
-        step_phases: StepPhases::of(&phases[..args.warmup + args.reps], args.reps),
+        step_phases: StepPhases::of(&stepper.phases[..args.warmup + args.reps], args.reps),
         profile: step_profile,
         transformers: None,
     };
     println!("{}", serde_json::to_string(&measurement)?);
     Ok(())
+}
+
+/// The trainer's step on one batch, repeated: forward, backward, clipping to global norm 1 and
+/// AdamW, the device synchronised after each phase.
+struct Stepper<'a> {
+    /// The model between steps.
+    model: Option<Model>,
+    optimizer: ModuleOptimizer,
+    batch: LmBatch,
+    recompute: Recompute,
+    device: &'a Device,
+    spec: &'a str,
+    /// Each step's forward+backward, clipping and optimizer seconds.
+    phases: Vec<[f64; 3]>,
+    /// The device allocator's largest reservation after a step, where the backend reports one.
+    pool_peak: Option<u64>,
+}
+
+impl Stepper<'_> {
+    fn step(&mut self) -> Result<()> {
+        let model = self.model.take().expect("the model between steps");
+        let started = Instant::now();
+        let mut accumulator = GradientsAccumulator::new();
+        let loss = step::backward(&model, &self.batch, self.recompute, None, |grads| {
+            accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
+        });
+        let value = loss.into_scalar::<f32>();
+        if !value.is_finite() {
+            bail!("non-finite loss {value}");
+        }
+        let mut g = accumulator.grads();
+        let sync = || {
+            self.device
+                .sync()
+                .map_err(|e| anyhow!("{}: the step failed: {e:?}", self.spec))
+        };
+        sync()?;
+        let backward_done = Instant::now();
+        grads::clip_global_norm(&model, &mut g, 1.0);
+        sync()?;
+        let clipped = Instant::now();
+        self.model = Some(self.optimizer.step(1e-4, model, g));
+        // On a GPU the update is still queued: the step ends when the device is idle.
+        sync()?;
+        self.phases.push([
+            (backward_done - started).as_secs_f64(),
+            (clipped - backward_done).as_secs_f64(),
+            clipped.elapsed().as_secs_f64(),
+        ]);
+        if let Some(usage) = self.device.memory_pool_usage() {
+            self.pool_peak = self.pool_peak.max(Some(usage.bytes_reserved));
+        }
+        Ok(())
+    }
 }
 
 /// `steps` calls of `step` with the profile's clock on, and what it booked.

@@ -10,11 +10,12 @@ use super::{
     Architecture, CONFIG, Dtype, Entry, FloatFormat, GENERATION_CONFIG, Pending, TOKENIZER,
     V2_MODULE, V2_SOURCE, WEIGHTS, WEIGHTS_INDEX, config, entries, write_file, write_safetensors,
 };
+use crate::recipe::Recipe;
 use crate::{device, layout, run};
 use anyhow::{Context, Result, anyhow, bail};
 use burn::store::burn_pack::{self, DType};
 use burn::store::{BurnToPyTorchAdapter, ModuleSnapshot};
-use diffzoo_models::{AttentionKind, ModelConfig};
+use diffzoo_models::{AttentionKind, Model, ModelConfig};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -73,8 +74,27 @@ fn export(
     let config = recipe.model_config();
     let device = device::parse("cpu")?;
     let (model, weights) = run::load_model(run_dir, &recipe, &device)?;
+    let architecture = recipe.model.architecture();
+    // Checked before anything is written: a class that cannot hold the model would drop weights.
+    check_exportable(run_dir, &recipe, &config, &weights, architecture)?;
+    std::fs::create_dir_all(staging).with_context(|| format!("creating {}", staging.display()))?;
+    let count = write_weights(staging, &model, &config, dtype, limit)?;
+    write_configs(run_dir, staging, architecture, &config, dtype)?;
+    Ok((architecture, weights, count))
+}
+
+/// Refuses what no transformers class would compute as the run does: `weights` inside a λ
+/// warm-up, a variant the recipe's class cannot hold, a Llama whose width the heads do not
+/// divide.
+fn check_exportable(
+    run_dir: &Path,
+    recipe: &Recipe,
+    config: &ModelConfig,
+    weights: &layout::Weights,
+    architecture: Architecture,
+) -> Result<()> {
     if let Some(n) = recipe.training.warmup_steps() {
-        let step = layout::weights_step(run_dir, &weights, recipe.total_steps())?;
+        let step = layout::weights_step(run_dir, weights, recipe.total_steps())?;
         if step < n {
             bail!(
                 "{}: its {weights} is at step {step} of a {n}-step λ warm-up (`training.lambda_warmup`) and computes with λ scaled by {}, which no transformers class holds: export a run fine-tuned past its warm-up",
@@ -83,8 +103,6 @@ fn export(
             );
         }
     }
-    let architecture = recipe.model.architecture();
-    // Checked before anything is written: a class that cannot hold the model would drop weights.
     architecture
         .holds(config.attention, config.qkv_bias)
         .map_err(|e| anyhow!("{}: {e}", run_dir.display()))?;
@@ -97,17 +115,27 @@ fn export(
             config.heads
         );
     }
+    Ok(())
+}
+
+/// Writes `model`'s weights as transformers names them into `staging`, in files of at most
+/// `limit` bytes (with the index file where there are several); returns how many files.
+fn write_weights(
+    staging: &Path,
+    model: &Model,
+    config: &ModelConfig,
+    dtype: Dtype,
+    limit: u64,
+) -> Result<usize> {
     let ours: BTreeMap<String, burn_pack::Tensor> = model
         .collect(None, Some(Box::new(BurnToPyTorchAdapter)), true)
         .into_iter()
         .map(|t| (t.name.clone(), t))
         .collect();
-    let tensors: Vec<Entry> = entries(&config)
+    let tensors: Vec<Entry> = entries(config)
         .into_iter()
         .filter(|e| e.hf.is_some())
         .collect();
-
-    std::fs::create_dir_all(staging).with_context(|| format!("creating {}", staging.display()))?;
     let sizes: Vec<u64> = tensors.iter().map(|e| e.bytes(dtype) as u64).collect();
     let shards = shard(&sizes, limit);
     let count = shards.len();
@@ -122,7 +150,7 @@ fn export(
             .iter()
             .map(|&m| {
                 let entry = &tensors[m];
-                let (ours, config) = (&ours, &config);
+                let ours = &ours;
                 Pending {
                     name: entry.hf.clone().expect("exported"),
                     shape: entry.shape.clone(),
@@ -147,7 +175,18 @@ fn export(
         });
         write_json(&staging.join(WEIGHTS_INDEX), &index)?;
     }
+    Ok(count)
+}
 
+/// Writes `config.json`, the generation config and the run's tokenizer with its companions (or
+/// defaults) into `staging`, and DIFF V2's modelling code for `trust_remote_code`.
+fn write_configs(
+    run_dir: &Path,
+    staging: &Path,
+    architecture: Architecture,
+    config: &ModelConfig,
+    dtype: Dtype,
+) -> Result<()> {
     let tokenizer_path = run_dir.join(layout::TOKENIZER);
     let tokenizer = if tokenizer_path.is_file() {
         Some(run::run_tokenizer(run_dir)?)
@@ -157,7 +196,7 @@ fn export(
     let eos = tokenizer.as_ref().map(|t| t.eot_id());
     write_json(
         &staging.join(CONFIG),
-        &config::write(architecture, &config, dtype, eos),
+        &config::write(architecture, config, dtype, eos),
     )?;
     // What the run's tokenizer came with (an import's chat template, special tokens and
     // end-of-turn ids) goes out as it came in; a run trained here gets the defaults below.
@@ -191,7 +230,7 @@ fn export(
     if architecture == Architecture::DiffzooV2 {
         write_file(&staging.join(format!("{V2_MODULE}.py")), V2_SOURCE)?;
     }
-    Ok((architecture, weights, count))
+    Ok(())
 }
 
 /// One transformers tensor computed from ours: DIFF V1's subln folded into o_proj's columns
