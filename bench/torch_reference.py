@@ -328,7 +328,7 @@ def measure(args, attention, device, dtype):
     peak = memory.peak()
     forward_s = timed(forward, args.warmup, args.reps, sync)
     # Before the profile's labels, which cost a little per call.
-    checked = transformers_forward(args, device, dtype, params) if attention == "transformer" else None
+    checked = transformers_forward(args, model, inputs, sync) if attention == "transformer" else None
     step_profile = None
     if args.profile:  # after every timed figure: the labels cost a little per call
         label_classes()
@@ -363,46 +363,47 @@ def measure(args, attention, device, dtype):
     }
 
 
-def transformers_forward(args, device, dtype, params):
-    """transformers' own baseline on this shape: its forward speed checks the reference's, whose
-    model has `params` parameters (see the module doc); or why it could not be timed."""
+def transformers_forward(args, reference, inputs, sync):
+    """transformers' own baseline of the `reference` model's shape, its forward pass on `inputs`:
+    its speed checks the reference's (see the module doc); or why it could not be timed."""
     try:
-        return timed_transformers(args, device, dtype, params)
+        return timed_transformers(args, reference, inputs, sync)
     except Exception as e:  # any failure leaves the reference unchecked, its own figures kept
         return {"unavailable": f"{type(e).__name__}: {e}"}
 
 
-def timed_transformers(args, device, dtype, params):
+def timed_transformers(args, reference, inputs, sync):
     import transformers
 
-    family = "Qwen2" if args.qkv_bias else "Llama"
+    attn, embed = reference.blocks[0].attn, reference.embed
+    family = "Qwen2" if attn.q_proj.bias is not None else "Llama"
     config = getattr(transformers, f"{family}Config")(
-        vocab_size=args.vocab,
-        hidden_size=args.d_model,
-        intermediate_size=args.ffn_dim or 8 * args.d_model // 3,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads or args.heads,
-        head_dim=args.head_dim or args.d_model // args.heads,
-        tie_word_embeddings=args.tie_embeddings,
-        max_position_embeddings=max(args.seq, 2048),
+        vocab_size=embed.num_embeddings,
+        hidden_size=embed.embedding_dim,
+        intermediate_size=reference.blocks[0].ffn.w1.out_features,
+        num_hidden_layers=len(reference.blocks),
+        num_attention_heads=attn.h,
+        num_key_value_heads=attn.h_kv,
+        head_dim=attn.q_proj.out_features // attn.h,
+        tie_word_embeddings=reference.lm_head.weight is embed.weight,
+        max_position_embeddings=max(inputs.shape[1], 2048),
         attn_implementation="sdpa" if IMPL == "sdpa" else "eager",
     )
     torch.manual_seed(args.seed)
-    model = getattr(transformers, f"{family}ForCausalLM")(config).to(device=device, dtype=dtype).eval()
-    theirs = sum(p.numel() for p in model.parameters())  # a tied head's weight counted once
-    if theirs != params:
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    model = model.to(device=inputs.device, dtype=embed.weight.dtype).eval()
+    # A tied head's weight counted once on both sides.
+    theirs, ours = (sum(p.numel() for p in m.parameters()) for m in (model, reference))
+    if theirs != ours:
         return {"unavailable": f"transformers' {type(model).__name__} of this shape has {theirs} parameters, "
-                               f"the reference {params}: not the same model"}
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    inputs = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+                               f"the reference {ours}: not the same model"}
 
     def forward():
         with torch.no_grad():
             model(inputs, use_cache=False).logits.sum().item()
 
     times = timed(forward, args.warmup, args.reps, sync)
-    n = args.batch * args.seq
+    n = inputs.numel()
     return {
         "class": type(model).__name__,
         "version": transformers.__version__,
