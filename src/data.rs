@@ -567,6 +567,15 @@ fn check_parts(args: &PrepareArgs, count: usize) -> Result<()> {
     Ok(())
 }
 
+/// The words of `exe data SUBCOMMAND --input INPUTS…`, a job's command before its options.
+fn data_command(exe: &str, subcommand: &str, inputs: &[String]) -> Vec<String> {
+    [exe, "data", subcommand, "--input"]
+        .into_iter()
+        .map(String::from)
+        .chain(inputs.iter().cloned())
+        .collect()
+}
+
 /// The job that trains the byte-level BPE of `vocab` tokens on `inputs` into `path`, once.
 fn tokenizer_job(
     args: &PrepareArgs,
@@ -575,13 +584,7 @@ fn tokenizer_job(
     vocab: usize,
     path: &str,
 ) -> Job {
-    let mut words = vec![
-        exe.to_string(),
-        "data".into(),
-        "tokenizer".into(),
-        "--input".into(),
-    ];
-    words.extend(inputs.iter().cloned());
+    let mut words = data_command(exe, "tokenizer", inputs);
     words.extend([
         "--vocab-size".into(),
         vocab.to_string(),
@@ -616,13 +619,7 @@ fn prepare_job(
     tokenizer: String,
     out: &str,
 ) -> Job {
-    let mut words = vec![
-        exe.to_string(),
-        "data".into(),
-        "prepare".into(),
-        "--input".into(),
-    ];
-    words.extend(inputs.iter().cloned());
+    let mut words = data_command(exe, "prepare", inputs);
     words.extend([
         "--tokenizer".into(),
         tokenizer,
