@@ -201,10 +201,7 @@ pub fn find_weights(path: &Path) -> Result<Weights> {
                 anyhow!(
                     "{} has neither {FINAL_MODEL} nor a checkpoint that verifies{}",
                     path.display(),
-                    match rejected.as_slice() {
-                        [] => String::new(),
-                        found => format!(" ({})", checkpoint::describe(found)),
-                    }
+                    checkpoint::rejected(&rejected)
                 )
             })?;
             let file = dir.join(checkpoint::part_name("model", newest.number));

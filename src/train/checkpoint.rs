@@ -148,6 +148,15 @@ pub fn describe(found: &[Found]) -> String {
         .join("; ")
 }
 
+/// [`describe`] of the checkpoints a scan rejected, in parentheses after a space for the end
+/// of an error message; empty where none was.
+pub fn rejected(found: &[Found]) -> String {
+    match found {
+        [] => String::new(),
+        found => format!(" ({})", describe(found)),
+    }
+}
+
 /// Marks `dir` as holding checkpoints with manifests (a new run's, before its first).
 pub fn mark_format(dir: &Path) -> Result<(), String> {
     std::fs::create_dir_all(dir)

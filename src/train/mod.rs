@@ -293,10 +293,7 @@ fn prepare_run_dir(
         bail!(
             "{} has no checkpoint that verifies, nothing to resume from{}",
             dir.display(),
-            match rejected.as_slice() {
-                [] => String::new(),
-                found => format!(" ({})", checkpoint::describe(found)),
-            }
+            checkpoint::rejected(&rejected)
         );
     };
     if finished && now > was && newest.step != was {
